@@ -1,0 +1,140 @@
+"""qlora-pipeline: the command line.
+
+    qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
+    qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
+    qlora-pipeline presets
+
+User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
+with status 2; they are never retried and never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+USER_ERROR_EXIT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qlora-pipeline", description="QLoRA fine-tuning as a Prefect flow.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("run", "run the pipeline"), ("validate", "check a config and print it")):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
+        cmd.add_argument("--preset", help="a preset from data/presets (see `qlora-pipeline presets`)")
+        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                         help="override one field; repeatable (values are parsed as YAML)")
+        if name == "run":
+            cmd.add_argument("--json", action="store_true", help="print the run summary as JSON, last line")
+    sub.add_parser("presets", help="list the presets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `qlora-pipeline` command."""
+    args = _parser().parse_args(argv)
+    if args.command == "presets":
+        from tasks.config import PRESETS_DIR
+
+        for path in sorted(PRESETS_DIR.glob("*.yaml")):
+            print(f"{path.stem:24} {path}")
+        return 0
+    try:
+        config = _config(args)
+    except Exception as exc:  # noqa: BLE001 - every config problem is the user's to fix
+        return _user_error(_config_message(exc))
+    if args.command == "validate":
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    return _run(config, as_json=args.json)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from tasks.config import PRESETS_DIR, load_config
+
+    path = args.config
+    if args.preset:
+        if path is not None:
+            raise ValueError("give --config or --preset, not both")
+        path = PRESETS_DIR / f"{args.preset}.yaml"
+        if not path.is_file():
+            names = ", ".join(p.stem for p in sorted(PRESETS_DIR.glob("*.yaml")))
+            raise ValueError(f"no preset named {args.preset!r}; presets: {names}")
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"config file {path} does not exist")
+    return load_config(path, args.overrides)
+
+
+def _config_message(exc: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
+                    + (f" (got {e['input']!r})" if e["type"] != "missing" else "") for e in exc.errors()]
+        return (f"Invalid configuration, {len(problems)} problem(s): " + "; ".join(problems)
+                + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
+    return f"Invalid configuration: {exc}."
+
+
+def _run(config: Any, as_json: bool) -> int:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    from flows.qlora_pipeline import qlora_pipeline
+    from tasks.errors import UserError
+
+    _quiet_user_errors()
+    try:
+        summary = qlora_pipeline(config=config)
+    except UserError as exc:
+        return _user_error(str(exc))
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _user_error(message: str) -> int:
+    print("\n" + textwrap.fill(f"error: {message}", width=100), file=sys.stderr)
+    return USER_ERROR_EXIT
+
+
+class _DropUserErrorTraceback(logging.Filter):
+    """Prefect logs a failed task with its traceback; for a user error the message alone is the help."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from tasks.errors import UserError
+
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_user_errors() -> None:
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_DropUserErrorTraceback())
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print("\nstage              status    folder")
+    for stage, info in summary["stages"].items():
+        print(f"{stage:18} {info['status']:9} {info['dir']}")
+    m = summary["metrics"]
+    print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
+          f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "
+          f"{m['tuned_perplexity']:.2f}")
+    print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

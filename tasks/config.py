@@ -1,0 +1,142 @@
+"""RunConfig: the flow's one parameter, one `*Args` section per stage.
+
+Imports pydantic only, so the Prefect UI form renders where torch is not installed. Field names are
+the downstream library's own (peft's LoraConfig, transformers' TrainingArguments and
+BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and needs no renaming layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
+EMBEDDED_MODEL = PROJECT_ROOT / "data" / "tiny-llama"
+PRESETS_DIR = PROJECT_ROOT / "data" / "presets"
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataArgs(_Section):
+    source: str = Field(
+        str(EMBEDDED_DATA),
+        description="A local .jsonl/.json/.csv/.parquet file, or a Hugging Face hub dataset id.",
+    )
+    name: str | None = Field(None, description="Hub dataset config name (e.g. wikitext-2-raw-v1).")
+    split: str = Field("train", description="Hub split, with slicing: 'train', 'train[:1000]'.")
+    revision: str | None = Field(None, description="Hub dataset revision; None = the default branch.")
+    format: Literal["auto", "dolly", "alpaca", "prompt_completion", "text"] = Field(
+        "auto", description="Record format; 'auto' detects it from the column names."
+    )
+    completion_only_loss: bool | None = Field(
+        None, description="Mask prompt tokens from the loss. None: yes for instruction formats, no for text."
+    )
+    max_seq_length: int = Field(256, gt=0, description="Tokens per example; longer ones are truncated.")
+    eval_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Share of examples held out for evaluation (split by content hash)."
+    )
+
+
+class ModelArgs(_Section):
+    base_model: str = Field(str(EMBEDDED_MODEL), description="A local model folder or a hub model id.")
+    revision: str | None = Field(None, description="Hub model revision; None = the default branch.")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
+    bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Matmul dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+
+
+class LoraArgs(_Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(ALL_PROJECTIONS),
+        description="Module names that get adapters; prepare_model lists the ones the model has.",
+    )
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+
+
+class TrainArgs(_Section):
+    max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
+    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: float = Field(
+        0.03, ge=0, description="Warmup: a number of steps, or a fraction of all steps when below 1."
+    )
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch"] = Field(
+        "paged_adamw_8bit", description="Optimizer (bitsandbytes' 8-bit AdamW runs on CPU too)."
+    )
+    gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
+    bf16: bool | None = Field(None, description="bf16 mixed precision; None = where the device supports it.")
+    save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints.")
+    logging_steps: int = Field(10, gt=0, description="Optimizer steps between loss log lines.")
+    seed: int = Field(42, description="Seed for LoRA init, data order and dropout.")
+
+
+class EvalArgs(_Section):
+    max_samples: int | None = Field(
+        None, gt=0, description="Evaluate on at most this many eval examples; None = all."
+    )
+    per_device_eval_batch_size: int = Field(8, gt=0, description="Examples per eval batch.")
+
+
+class ExportArgs(_Section):
+    name: str = Field("adapter", pattern=r"^[A-Za-z0-9._-]+$", description="Name of the exported adapter.")
+
+
+class RunConfig(_Section):
+    """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
+
+    runs_dir: Path = Field(Path("runs"), description="Folder for stage outputs, shared between runs.")
+    data: DataArgs = Field(default_factory=DataArgs)
+    model: ModelArgs = Field(default_factory=ModelArgs)
+    lora: LoraArgs = Field(default_factory=LoraArgs)
+    train: TrainArgs = Field(default_factory=TrainArgs)
+    eval: EvalArgs = Field(default_factory=EvalArgs)
+    export: ExportArgs = Field(default_factory=ExportArgs)
+
+    @model_validator(mode="after")
+    def _check_target_modules(self) -> RunConfig:
+        if not self.lora.target_modules:
+            raise ValueError("lora.target_modules is empty: name at least one module, e.g. q_proj")
+        return self
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """RunConfig from an optional YAML file plus `section.field=value` overrides (values parsed as YAML)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of config sections, got {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides or []:
+        dotted, sep, value = item.partition("=")
+        if not sep or not dotted:
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. train.max_steps=20")
+        node = raw
+        *parents, leaf = dotted.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is not a config section")
+        node[leaf] = yaml.safe_load(value)
+    return RunConfig.model_validate(raw)

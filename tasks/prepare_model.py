@@ -1,0 +1,84 @@
+"""prepare_model: base model -> 4-bit checkpoint + tokenizer + module report.
+
+Reads a local model folder or a hub model (at its resolved commit), quantizes it with bitsandbytes
+(NF4 and double quantization by default, compute dtype chosen for the device) and writes into
+runs_dir/prepare_model/<key>/ the 4-bit checkpoint (config.json, model*.safetensors), the tokenizer,
+modules.json (the names of the Linear layers LoRA can target, with counts) and manifest.json
+(memory footprint, compute dtype). Later stages load this folder directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from tasks.caching import stage_task_options
+from tasks.config import ModelArgs
+from tasks.log import logger
+from tasks.manifest import StageSpec, open_stage
+from tasks.runtime import compute_dtype, device, load_tokenizer, model_fingerprint, model_path
+
+VERSION = "1"
+
+
+def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
+    """Cache-key inputs: model settings and the base model's file bytes or hub commit."""
+    return StageSpec(stage="prepare_model", version=VERSION, runs_dir=runs_dir,
+                     params={"model": args.model_dump()},
+                     fingerprint=model_fingerprint(args.base_model, args.revision))
+
+
+@task(name="prepare_model", **stage_task_options(spec, retries=2))
+def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
+    """Quantize the base model to 4 bits and save it with its tokenizer."""
+    with open_stage(spec(args, runs_dir)) as stage:
+        if stage.done:
+            return str(stage.dir)
+        source = model_path(args.base_model, args.revision)
+        dtype = compute_dtype(args.bnb_4bit_compute_dtype)
+        model = _load_4bit(source, args, dtype)
+        model.save_pretrained(stage.dir)
+        load_tokenizer(source).save_pretrained(stage.dir)
+        modules = _module_report(model)
+        (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))
+        metrics = {"memory_footprint_bytes": model.get_memory_footprint(),
+                   "compute_dtype": str(dtype).removeprefix("torch."), "device": device(),
+                   "linear_4bit_layers": sum(modules["linear_4bit"].values())}
+        logger().info("prepare_model: %s; LoRA can target %s", metrics, ", ".join(modules["targetable"]))
+        outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
+        stage.finish(outputs, metrics)
+        return str(stage.dir)
+
+
+def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                               bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+                               bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        source, quantization_config=quant, dtype=dtype, attn_implementation=args.attn_implementation,
+        device_map={"": 0} if device() == "cuda" else "cpu",
+    )
+
+
+def _module_report(model: Any) -> dict[str, Any]:
+    """Short names of the layers LoRA can wrap (Linear, 4-bit or not, and GPT-2's Conv1D)."""
+    import bitsandbytes as bnb
+    import torch
+
+    linear4, other = Counter(), Counter()
+    output_layer = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if isinstance(module, bnb.nn.Linear4bit):
+            linear4[short] += 1
+        elif module is not output_layer and (isinstance(module, torch.nn.Linear)
+                                             or type(module).__name__ == "Conv1D"):
+            other[short] += 1
+    return {"targetable": sorted(set(linear4) | set(other)), "linear_4bit": dict(linear4),
+            "linear_other": dict(other)}

@@ -1,0 +1,37 @@
+"""The run folder: which stage folders a run used, whether each was computed, resumed or reused."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tasks.config import RunConfig
+from tasks.manifest import current_run_attempt, read_manifest
+
+
+def stage_status(manifest: dict[str, Any]) -> str:
+    """computed or resumed when this flow-run attempt wrote the manifest, else cached."""
+    attempt = current_run_attempt()
+    if attempt is None or manifest.get("run_attempt") != attempt:
+        return "cached"
+    return "resumed" if manifest.get("resumed_from_step") is not None else "computed"
+
+
+def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
+    """Write runs_dir/runs/<time>-<attempt>/run.json and return the run summary."""
+    manifests = [read_manifest(Path(d)) for d in stage_dirs]
+    stages = {m["stage"]: {"status": stage_status(m), "dir": d, "key": m["key"],
+                           **({"resumed_from_step": m["resumed_from_step"]}
+                              if m.get("resumed_from_step") is not None else {})}
+              for m, d in zip(manifests, stage_dirs, strict=True)}
+    attempt = (current_run_attempt() or f"local-{os.getpid()}").replace(":", "-")
+    run_dir = Path(config.runs_dir).resolve() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{attempt[:8]}"
+    metrics = next(m for m in manifests if m["stage"] == "evaluate_adapter")["metrics"]
+    summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
+                                                 indent=2))
+    return summary

@@ -1,0 +1,110 @@
+"""Where models come from and what they run on: hub or local sources, device, dtype, 4-bit loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks.errors import UserError
+from tasks.log import logger
+from tasks.manifest import files_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+def is_local(source: str) -> bool:
+    """A source is a local path if it exists or is written like one (not like `org/name`)."""
+    return Path(source).expanduser().exists() or source.startswith(("/", ".", "~")) or "\\" in source
+
+
+def _check_local_model(source: str) -> Path:
+    path = Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.base_model={source!r} is not a model folder (no config.json there). Give a folder "
+            "written by save_pretrained, or a Hugging Face hub id such as meta-llama/Llama-3.1-8B."
+        )
+    return path.resolve()
+
+
+def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str = "model") -> str:
+    """The commit sha a hub revision points to now (from the local cache when HF_HUB_OFFLINE=1)."""
+    import huggingface_hub
+    from huggingface_hub import HfApi, snapshot_download
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        folder = snapshot_download(repo_id, revision=revision, repo_type=repo_type, local_files_only=True)
+        return Path(folder).name  # snapshots/<commit sha>
+    info = HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type)
+    return info.sha
+
+
+def model_fingerprint(source: str, revision: str | None, only: tuple[str, ...] | None = None) -> dict[str, str]:
+    """Content identity of a base model: its files' bytes, or the resolved hub commit."""
+    if is_local(source):
+        path = _check_local_model(source)
+        files = [p for p in path.iterdir() if p.is_file() and (only is None or p.name in only)]
+        return {"files_sha256": files_fingerprint(files)}
+    return {"hub_repo": source, "hub_commit": resolve_hub_revision(source, revision)}
+
+
+def model_path(source: str, revision: str | None) -> Path:
+    """A local folder with the model's files, downloading a hub model at its resolved commit."""
+    if is_local(source):
+        return _check_local_model(source)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, revision=resolve_hub_revision(source, revision)))
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The model's tokenizer with a pad token (the eos token when it has none: pads are never labels)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def device() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(choice: str) -> torch.dtype:
+    """The matmul dtype: the user's choice, or bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."""
+    import torch
+
+    if choice != "auto":
+        return getattr(torch, choice)
+    if not torch.cuda.is_available():
+        reason, dtype = "no GPU: float32 on CPU (bf16 autocast is slower than fp32 on most CPUs)", torch.float32
+    elif torch.cuda.is_bf16_supported():
+        reason, dtype = "GPU supports bf16", torch.bfloat16
+    else:
+        reason, dtype = "GPU lacks bf16: float16", torch.float16
+    logger().info("compute dtype %s (%s)", str(dtype).removeprefix("torch."), reason)
+    return dtype
+
+
+def load_quantized(model_dir: Path) -> Any:
+    """The 4-bit checkpoint written by prepare_model, on this machine's device, ready for training."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.manifest import read_manifest
+
+    manifest = read_manifest(model_dir) or {}
+    dtype = getattr(torch, manifest.get("metrics", {}).get("compute_dtype", "float32"))
+    # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, device_map={"": 0} if device() == "cuda" else "cpu", dtype=dtype,
+        attn_implementation=manifest.get("params", {}).get("model", {}).get("attn_implementation", "sdpa"),
+    )

@@ -1,0 +1,107 @@
+"""train_adapter: 4-bit base + tokenized data -> LoRA adapter.
+
+Reads prepare_model's 4-bit checkpoint and modules.json and prepare_data's train.parquet. Trains LoRA
+adapters (peft) with the transformers Trainer: k-bit training preparation, gradient checkpointing,
+gradient accumulation, bf16 where supported, paged 8-bit AdamW, a learning-rate schedule. Writes into
+runs_dir/train_adapter/<key>/: adapter/ (PEFT format), loss.jsonl (one line per logged step) and
+manifest.json. While it runs, checkpoints/checkpoint-N/ are written every `save_steps` optimizer
+steps; an interrupted run resumes from the latest complete one (adapter, optimizer, scheduler, RNG
+and data position), and they are removed once the adapter is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from tasks.caching import stage_task_options
+from tasks.config import LoraArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.log import logger
+from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.runtime import device, load_quantized
+from tasks.training import LossLog, ParquetExamples, Progress, latest_checkpoint, mark_complete, pad_collator
+
+VERSION = "1"
+ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+
+
+def spec(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_dir: str) -> StageSpec:
+    """Cache-key inputs: LoRA and training settings and the two upstream stages."""
+    return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir,
+                     params={"lora": lora.model_dump(), "train": train.model_dump()},
+                     upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir)})
+
+
+@task(name="train_adapter", **stage_task_options(spec))
+def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_dir: str) -> str:
+    """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
+    with open_stage(spec(lora, train, runs_dir, data_dir, model_dir), keep=("checkpoints",)) as stage:
+        if stage.done:
+            return str(stage.dir)
+        check_target_modules(lora.target_modules, Path(model_dir))
+        model = _peft_model(Path(model_dir), lora, train)
+        examples = ParquetExamples(Path(data_dir) / "train.parquet")
+        resume = latest_checkpoint(stage.dir / "checkpoints")
+        trainer = _trainer(model, examples, train, stage.dir, Path(model_dir))
+        if resume is not None:
+            logger().info("train_adapter: resuming from %s", resume.name)
+        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        model.save_pretrained(stage.dir / "adapter")
+        shutil.rmtree(stage.dir / "checkpoints", ignore_errors=True)
+        metrics = {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
+                   "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
+                   "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        resumed = int(resume.name.split("-")[-1]) if resume else None
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
+        return str(stage.dir)
+
+
+def check_target_modules(target_modules: list[str], model_dir: Path) -> None:
+    """Fail before training if LoRA targets modules the base model does not have."""
+    report = json.loads((model_dir / "modules.json").read_text())
+    missing = [m for m in target_modules if m not in report["targetable"]]
+    if missing:
+        base = (read_manifest(model_dir) or {}).get("params", {}).get("model", {}).get("base_model", model_dir)
+        raise UserError(
+            f"lora.target_modules names {', '.join(missing)}, which {base} does not have. "
+            f"Its layers LoRA can target are: {', '.join(report['targetable'])}. "
+            "Set lora.target_modules to some of these."
+        )
+
+
+def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import set_seed
+
+    model = load_quantized(model_dir)
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=train.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    set_seed(train.seed)  # LoRA's A matrices are drawn here
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump()))
+
+
+def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path, model_dir: Path) -> Any:
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    compute = (read_manifest(model_dir) or {}).get("metrics", {}).get("compute_dtype", "float32")
+    settings = train.model_dump()
+    if settings["bf16"] is None:  # bnb needs compute dtype == training dtype
+        settings["bf16"] = compute == "bfloat16"
+    args = TrainingArguments(
+        output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
+        fp16=compute == "float16", gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, **settings,
+    )
+    collator = pad_collator(model.config.pad_token_id or 0, multiple_of=8 if device() == "cuda" else 1)
+    callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()]
+    trainer = Trainer(model=model, args=args, train_dataset=examples, data_collator=collator, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # it prints raw dicts to stdout; Progress logs instead
+    return trainer

@@ -15,13 +15,13 @@ from typing import Any
 
 from prefect import task
 
+from tasks.batches import ParquetExamples, pad_collator
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
 from tasks.runtime import load_quantized
-from tasks.training import ParquetExamples, pad_collator
 
 VERSION = "1"
 

@@ -22,8 +22,14 @@ from tasks.errors import UserError
 from tasks.formats import detect_format, to_prompt_completion
 from tasks.log import logger
 from tasks.manifest import StageSpec, file_sha256, open_stage
-from tasks.runtime import TOKENIZER_FILES, is_local, load_tokenizer, model_fingerprint, model_path, \
-    resolve_hub_revision
+from tasks.runtime import (
+    TOKENIZER_FILES,
+    is_local,
+    load_tokenizer,
+    model_fingerprint,
+    model_path,
+    resolve_hub_revision,
+)
 
 VERSION = "1"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")

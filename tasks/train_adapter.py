@@ -18,13 +18,13 @@ from typing import Any
 
 from prefect import task
 
+from tasks.batches import ParquetExamples, latest_checkpoint, pad_collator
 from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
 from tasks.runtime import device, load_quantized
-from tasks.training import LossLog, ParquetExamples, Progress, latest_checkpoint, mark_complete, pad_collator
 
 VERSION = "1"
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
@@ -89,6 +89,8 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:
 
 def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path, model_dir: Path) -> Any:
     from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    from tasks.callbacks import LossLog, Progress, mark_complete
 
     compute = (read_manifest(model_dir) or {}).get("metrics", {}).get("compute_dtype", "float32")
     settings = train.model_dump()

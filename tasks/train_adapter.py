@@ -11,6 +11,7 @@ and data position), and they are removed once the adapter is saved.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -44,18 +45,16 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: st
         if stage.done:
             return str(stage.dir)
         check_target_modules(lora.target_modules, Path(model_dir))
-        model = _peft_model(Path(model_dir), lora, train)
         examples = ParquetExamples(Path(data_dir) / "train.parquet")
         resume = latest_checkpoint(stage.dir / "checkpoints")
-        trainer = _trainer(model, examples, train, stage.dir, Path(model_dir))
-        if resume is not None:
-            logger().info("train_adapter: resuming from %s", resume.name)
-        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))
         model.save_pretrained(stage.dir / "adapter")
         shutil.rmtree(stage.dir / "checkpoints", ignore_errors=True)
         metrics = {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
                    "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
-                   "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+                   "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                   "per_device_train_batch_size": used.per_device_train_batch_size,
+                   "gradient_accumulation_steps": used.gradient_accumulation_steps}
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
         return str(stage.dir)
@@ -72,6 +71,43 @@ def check_target_modules(target_modules: list[str], model_dir: Path) -> None:
             f"Its layers LoRA can target are: {', '.join(report['targetable'])}. "
             "Set lora.target_modules to some of these."
         )
+
+
+def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, examples: ParquetExamples, out: Path, model_dir: Path
+                      ) -> tuple[Any, Any, Any, TrainArgs]:
+    """Train from the latest checkpoint; on CUDA out-of-memory, retry with a smaller micro-batch."""
+    import torch
+
+    while True:
+        model = _peft_model(model_dir, lora, train)
+        trainer = _trainer(model, examples, train, out, model_dir)
+        resume = latest_checkpoint(out / "checkpoints")
+        if resume is not None:
+            logger().info("train_adapter: resuming from %s", resume.name)
+        try:
+            return model, trainer, trainer.train(resume_from_checkpoint=str(resume) if resume else None), train
+        except torch.OutOfMemoryError as exc:
+            train = smaller_micro_batch(train, exc)
+            del model, trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def smaller_micro_batch(train: TrainArgs, exc: BaseException) -> TrainArgs:
+    """Half the micro-batch (or less) and proportionally more accumulation: the same effective batch."""
+    batch, accum = train.per_device_train_batch_size, train.gradient_accumulation_steps
+    if batch == 1:
+        raise UserError(
+            "train_adapter ran out of GPU memory at micro-batch 1. Lower data.max_seq_length, lora.r or the "
+            "number of lora.target_modules, keep train.gradient_checkpointing on, or use a GPU with more "
+            f"memory. ({exc})".strip()
+        ) from exc
+    smaller = max(d for d in range(1, batch // 2 + 1) if batch % d == 0)
+    logger().warning("train_adapter: out of memory at micro-batch %d; retrying from the latest checkpoint with "
+                     "micro-batch %d x %d accumulation (same effective batch %d)", batch, smaller,
+                     accum * batch // smaller, batch * accum)
+    return train.model_copy(update={"per_device_train_batch_size": smaller,
+                                    "gradient_accumulation_steps": accum * batch // smaller})
 
 
 def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:

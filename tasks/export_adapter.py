@@ -42,7 +42,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
             return str(stage.dir)
         manifests = {m["stage"]: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir,
                                                                            eval_dir)))}
-        outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir)
+        outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir,
+                              names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
         config = _run_config(manifests, args)
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

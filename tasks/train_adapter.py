@@ -49,6 +49,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: st
         resume = latest_checkpoint(stage.dir / "checkpoints")
         model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))
         model.save_pretrained(stage.dir / "adapter")
+        (stage.dir / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
         shutil.rmtree(stage.dir / "checkpoints", ignore_errors=True)
         metrics = {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
                    "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),

@@ -1,0 +1,74 @@
+"""Shared fixtures: an isolated Prefect test server, small configs, and the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import EMBEDDED_DATA, PROJECT_ROOT, load_config
+
+SMALL_ROWS = 240  # enough for a few optimizer steps and a non-empty eval split
+
+
+@pytest.fixture(scope="session")
+def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A temporary Prefect server and result storage (the harness does not isolate result storage)."""
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    storage = tmp_path_factory.mktemp("prefect-results")
+    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), prefect_test_harness():
+        yield storage
+
+
+@pytest.fixture
+def small_data(tmp_path: Path) -> Path:
+    """The first SMALL_ROWS sample records, in a file the test may edit."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:SMALL_ROWS]))
+    return path
+
+
+def small_overrides(data: Path, runs_dir: Path, **extra: Any) -> list[str]:
+    """--set overrides for a run of a few seconds: small data, few steps, frequent checkpoints."""
+    values = {"runs_dir": str(runs_dir), "data.source": str(data), "train.max_steps": 6,
+              "train.save_steps": 2, "train.logging_steps": 1, "train.per_device_train_batch_size": 4,
+              "eval.max_samples": 16, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_flow(overrides: list[str]) -> dict[str, Any]:
+    """Run the flow in this process (under the test server) and return its summary."""
+    from flows.qlora_pipeline import qlora_pipeline
+
+    return qlora_pipeline(config=load_config(None, overrides))
+
+
+def statuses(summary: dict[str, Any]) -> dict[str, str]:
+    return {stage: info["status"] for stage, info in summary["stages"].items()}
+
+
+def cli(args: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """Start the real `qlora-pipeline` command in its own process group (so a kill reaches its server)."""
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)
+
+
+def cli_env(prefect_home: Path) -> dict[str, str]:
+    """Environment for a CLI subprocess with its own Prefect home (ephemeral server, SQLite)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -1,0 +1,91 @@
+"""The whole flow on the embedded default, under a Prefect test server."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_flow, statuses
+
+STAGES = ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
+
+
+@pytest.fixture(scope="module")
+def default_run(prefect_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of the unchanged default config (only runs_dir moved to a temp folder)."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    start = time.perf_counter()
+    summary = run_flow([f"runs_dir={runs_dir}"])
+    return {"summary": summary, "seconds": time.perf_counter() - start, "runs_dir": runs_dir}
+
+
+def test_default_run_computes_every_stage_and_learns(default_run: dict[str, Any]) -> None:
+    summary = default_run["summary"]
+    assert list(summary["stages"]) == STAGES
+    assert set(statuses(summary).values()) == {"computed"}
+    metrics = summary["metrics"]
+    assert metrics["tuned_eval_loss"] <= 0.9 * metrics["base_eval_loss"]
+    assert (Path(summary["run_dir"]) / "run.json").is_file()
+
+
+def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -> None:
+    dirs = {stage: Path(info["dir"]) for stage, info in default_run["summary"]["stages"].items()}
+    files = {stage: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()) for stage, d in dirs.items()}
+    assert files["prepare_data"] == ["eval.parquet", "manifest.json", "train.parquet"]
+    assert files["prepare_model"] == ["config.json", "generation_config.json", "manifest.json", "model.safetensors",
+                                      "modules.json", "tokenizer.json", "tokenizer_config.json"]
+    assert files["train_adapter"] == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                                      "loss.jsonl", "manifest.json"]
+    assert files["evaluate_adapter"] == ["manifest.json", "metrics.json"]
+    assert files["export_adapter"] == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                       "manifest.json", "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_exported_adapter_loads_with_peft_and_changes_outputs(default_run: dict[str, Any]) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from tasks.runtime import load_quantized
+
+    summary = default_run["summary"]
+    export = Path(summary["export_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = tokenizer("### Instruction:\nWhat is the plural of cat?\n\n### Response:\n", return_tensors="pt")
+    base = load_quantized(Path(summary["stages"]["prepare_model"]["dir"]))
+    with torch.no_grad():
+        before = base(**ids).logits.clone()
+        tuned = PeftModel.from_pretrained(base, export)
+        after = tuned(**ids).logits
+    assert (after - before).abs().max() > 0.1
+    card = (export / "README.md").read_text()
+    assert "base_model:" in card and summary["stages"]["prepare_data"]["key"] not in card  # keys are internal
+    assert f"{summary['metrics']['tuned_eval_loss']:.4f}" in card
+
+
+def test_rerun_of_unchanged_config_is_cached_and_fast(default_run: dict[str, Any]) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    start = time.perf_counter()
+    summary = run_flow([f"runs_dir={default_run['runs_dir']}"])
+    seconds = time.perf_counter() - start
+    assert set(statuses(summary).values()) == {"cached"}
+    assert seconds < default_run["seconds"] / 4
+    # Prefect itself reports the reused stages as Cached (what the UI shows)
+    flow_run_id = Path(summary["run_dir"]).name.split("-")[-1]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort="START_TIME_DESC", limit=1)
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+    assert str(runs[0].id).startswith(flow_run_id)
+    assert sorted(t.state.name for t in task_runs) == ["Cached"] * 5
+
+
+def test_eval_only_change_recomputes_exactly_two_stages(default_run: dict[str, Any]) -> None:
+    summary = run_flow([f"runs_dir={default_run['runs_dir']}", "eval.max_samples=40"])
+    assert statuses(summary) == {"prepare_data": "cached", "prepare_model": "cached", "train_adapter": "cached",
+                                 "evaluate_adapter": "computed", "export_adapter": "computed"}
+    assert summary["metrics"]["eval_examples"] == 40

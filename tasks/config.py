@@ -79,7 +79,7 @@ class TrainArgs(_Section):
     warmup_steps: float = Field(
         0.03, ge=0, description="Warmup: a number of steps, or a fraction of all steps when below 1."
     )
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the LoRA weights.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch"] = Field(
         "paged_adamw_8bit", description="Optimizer (bitsandbytes' 8-bit AdamW runs on CPU too)."
@@ -140,3 +140,22 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
                 raise ValueError(f"--set {item!r}: {part} is not a config section")
         node[leaf] = yaml.safe_load(value)
     return RunConfig.model_validate(raw)
+
+
+def reference_table() -> str:
+    """The config reference as a Markdown table (README.md embeds it; a test keeps the two equal)."""
+    lines = ["| field | default | description |", "|---|---|---|"]
+    sections = {"": RunConfig, **{name: f.annotation for name, f in RunConfig.model_fields.items()
+                                  if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}}
+    for prefix, model in sections.items():
+        for name, info in model.model_fields.items():
+            if prefix == "" and name in sections:
+                continue
+            default = info.get_default(call_default_factory=True)
+            shown = str(default).replace(str(PROJECT_ROOT) + "/", "") if default is not None else "null"
+            lines.append(f"| `{prefix + '.' if prefix else ''}{name}` | `{shown}` | {info.description or ''} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m tasks.config > the README's config reference
+    print(reference_table())

@@ -1,0 +1,87 @@
+"""RunConfig validation, presets, the CLI's user-error messages, and the README's config reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.config import PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config, reference_table
+
+
+def test_defaults_validate_and_point_at_the_embedded_default() -> None:
+    config = RunConfig()
+    assert Path(config.data.source).is_file()
+    assert (Path(config.model.base_model) / "config.json").is_file()
+    assert config.train.max_steps == -1 and config.runs_dir == Path("runs")
+    assert config.eval.max_samples is None and config.train.save_steps > 0
+
+
+def test_overrides_parse_as_yaml_and_reach_the_right_section(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  learning_rate: 0.0005\nlora:\n  r: 4\n")
+    config = load_config(path, ["train.max_steps=7", "lora.target_modules=[q_proj, v_proj]", "eval.max_samples=null"])
+    assert (config.train.max_steps, config.train.learning_rate, config.lora.r) == (7, 5e-4, 4)
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+def test_presets_validate(preset: str) -> None:
+    load_config(PRESETS_DIR / f"{preset}.yaml")
+
+
+def test_reference_recipe_preset_matches_the_published_recipe() -> None:
+    c = load_config(PRESETS_DIR / "reference-recipe.yaml")
+    assert (c.model.base_model, c.data.source, c.data.split) == (
+        "meta-llama/Llama-3.1-8B", "databricks/databricks-dolly-15k", "train[:1000]")
+    assert (c.model.bnb_4bit_quant_type, c.model.bnb_4bit_use_double_quant, c.model.bnb_4bit_compute_dtype) == (
+        "nf4", True, "bfloat16")
+    assert (c.lora.r, c.lora.lora_alpha, c.lora.lora_dropout) == (16, 32, 0.05)
+    assert c.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    t = c.train
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.learning_rate) == (1, 16, 2e-4)
+    assert (t.optim, t.gradient_checkpointing, t.num_train_epochs, c.data.max_seq_length) == (
+        "paged_adamw_8bit", True, 1, 512)
+
+
+def test_every_bad_field_is_reported_at_once() -> None:
+    with pytest.raises(ValidationError) as err:
+        load_config(None, ["train.max_steps=-5", "lora.r=0", "train.optim=sgd", "train.colour=red"])
+    locations = {".".join(map(str, e["loc"])) for e in err.value.errors()}
+    assert locations == {"train.max_steps", "lora.r", "train.optim", "train.colour"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_config_errors_are_one_paragraph_with_exit_2() -> None:
+    result = _cli("validate", "--set", "train.max_steps=abc", "--set", "lora.bias=some")
+    assert result.returncode == 2
+    assert "Invalid configuration, 2 problem(s):" in " ".join(result.stderr.split())
+    assert "train.max_steps: Input should be a valid integer" in " ".join(result.stderr.split())
+    assert "lora.bias: Input should be 'none', 'all' or 'lora_only'" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+    bad_set = _cli("validate", "--set", "train.max_steps")
+    assert bad_set.returncode == 2 and "expected SECTION.FIELD=VALUE" in bad_set.stderr
+    missing = _cli("validate", "--config", "/nonexistent/config.yaml")
+    assert missing.returncode == 2 and "config file /nonexistent/config.yaml does not exist" in missing.stderr
+    preset = _cli("validate", "--preset", "nope")
+    assert preset.returncode == 2 and "no preset named 'nope'; presets: embedded-default" in preset.stderr
+
+
+def test_cli_missing_data_file_is_a_user_error_without_traceback(tmp_path: Path) -> None:
+    result = _cli("run", "--set", f"runs_dir={tmp_path}", "--set", "data.source=/nonexistent/data.jsonl")
+    assert result.returncode == 2, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "error: data.source='/nonexistent/data.jsonl': no such file." in message
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("*/*/manifest.json"))  # nothing marked complete
+
+
+def test_readme_config_reference_is_current() -> None:
+    assert reference_table() in (PROJECT_ROOT / "README.md").read_text()

@@ -1,0 +1,118 @@
+"""Caching, resume and fault tolerance: content keys, broken folders, kill -9, concurrency, OOM back-off."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli, cli_env, last_json, run_flow, small_overrides, statuses
+
+ALL_COMPUTED = dict.fromkeys(
+    ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"], "computed")
+
+
+def test_one_byte_data_change_recomputes_every_stage_that_reads_it(prefect_env: Path, small_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """prepare_model never reads the data, so it stays reused; the other four are recomputed."""
+    overrides = small_overrides(small_data, tmp_path / "runs")
+    assert statuses(run_flow(overrides)) == ALL_COMPUTED
+    text = small_data.read_text()
+    small_data.write_text(text.replace("The opposite", "the opposite", 1))  # one byte, same path and size
+    assert statuses(run_flow(overrides)) == {**ALL_COMPUTED, "prepare_model": "cached"}
+
+
+def test_missing_manifest_or_truncated_parquet_is_recomputed(prefect_env: Path, small_data: Path,
+                                                            tmp_path: Path) -> None:
+    overrides = small_overrides(small_data, tmp_path / "runs")
+    first = run_flow(overrides)
+    data_dir = Path(first["stages"]["prepare_data"]["dir"])
+    (data_dir / "manifest.json").unlink()
+    again = run_flow(overrides)
+    assert statuses(again)["prepare_data"] == "computed"
+    assert statuses(again)["train_adapter"] == "cached"  # same content, same key downstream
+    parquet = data_dir / "eval.parquet"
+    parquet.write_bytes(parquet.read_bytes()[:-100])
+    third = run_flow(overrides)
+    assert statuses(third)["prepare_data"] == "computed"
+    assert parquet.stat().st_size == json.loads((data_dir / "manifest.json").read_text())["outputs"]["eval.parquet"]
+
+
+def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_path: Path) -> None:
+    steps = 40
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
+        small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 5})), [])]
+    env = cli_env(tmp_path / "prefect")
+    proc = cli(args, env)
+    checkpoints = tmp_path / "runs" / "train_adapter"
+    deadline = time.time() + 240
+    while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no checkpoint written in time"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = max(int(p.parent.name.split("-")[1]) for p in checkpoints.glob("*/checkpoints/checkpoint-*/complete"))
+    assert saved < steps
+
+    rerun = cli(args, env)
+    out, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    summary = last_json(out)
+    train = summary["stages"]["train_adapter"]
+    assert train["status"] == "resumed"
+    assert train["resumed_from_step"] >= saved  # the newest complete checkpoint at restart
+    manifest = json.loads((Path(train["dir"]) / "manifest.json").read_text())
+    assert manifest["metrics"]["optimizer_steps"] == steps
+    assert (Path(summary["export_dir"]) / "adapter_model.safetensors").is_file()
+    logged = [json.loads(line)["step"] for line in (Path(train["dir"]) / "loss.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))  # no step lost or logged twice across the kill
+
+
+def test_two_concurrent_runs_train_once(small_data: Path, tmp_path: Path) -> None:
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(small_data, tmp_path / "runs")), [])]
+    # separate Prefect homes: only the stage folder lock can keep them from training twice
+    procs = [cli(args, cli_env(tmp_path / f"prefect{i}")) for i in range(2)]
+    summaries = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=400)
+        assert proc.returncode == 0, err
+        summaries.append(last_json(out))
+    train_status = sorted(s["stages"]["train_adapter"]["status"] for s in summaries)
+    assert train_status == ["cached", "computed"]
+    assert len(list((tmp_path / "runs" / "train_adapter").glob("*/manifest.json"))) == 1
+
+
+def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    import torch
+    from transformers import Trainer
+
+    from tasks.config import DataArgs, LoraArgs, ModelArgs, TrainArgs
+    from tasks.prepare_data import prepare_data
+    from tasks.prepare_model import prepare_model
+    from tasks.train_adapter import train_adapter
+
+    real_step = Trainer.training_step
+    seen: list[int] = []
+
+    def step_that_ooms_above_2(self, model, inputs, *args, **kwargs):  # a GPU with room for 2 examples
+        seen.append(inputs["input_ids"].shape[0])
+        if inputs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", step_that_ooms_above_2)
+    runs = tmp_path / "runs"
+    data_dir = prepare_data.fn(DataArgs(source=str(small_data)), ModelArgs(), runs)
+    model_dir = prepare_model.fn(ModelArgs(), runs)
+    train = TrainArgs(max_steps=3, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    out = Path(train_adapter.fn(LoraArgs(), train, runs, data_dir, model_dir))
+    metrics = json.loads((out / "manifest.json").read_text())["metrics"]
+    assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (2, 4)
+    assert metrics["optimizer_steps"] == 3
+    assert seen[:2] == [8, 4] and set(seen[2:]) == {2}

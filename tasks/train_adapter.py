@@ -41,7 +41,7 @@ def spec(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_
 @task(name="train_adapter", **stage_task_options(spec))
 def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_dir: str) -> str:
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
-    with open_stage(spec(lora, train, runs_dir, data_dir, model_dir), keep=("checkpoints",)) as stage:
+    with open_stage(spec(lora, train, runs_dir, data_dir, model_dir), keep=("checkpoints", "loss.jsonl")) as stage:
         if stage.done:
             return str(stage.dir)
         check_target_modules(lora.target_modules, Path(model_dir))

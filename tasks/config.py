@@ -28,20 +28,39 @@ class _Section(BaseModel):
 class DataArgs(_Section):
     source: str = Field(
         str(EMBEDDED_DATA),
-        description="A local .jsonl/.json/.csv/.parquet file, or a Hugging Face hub dataset id.",
+        description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
+        "(s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
     )
     name: str | None = Field(None, description="Hub dataset config name (e.g. wikitext-2-raw-v1).")
     split: str = Field("train", description="Hub split, with slicing: 'train', 'train[:1000]'.")
     revision: str | None = Field(None, description="Hub dataset revision; None = the default branch.")
-    format: Literal["auto", "dolly", "alpaca", "prompt_completion", "text"] = Field(
-        "auto", description="Record format; 'auto' detects it from the column names."
+    format: Literal["auto", "dolly", "alpaca", "prompt_completion", "chat", "text"] = Field(
+        "auto", description="Record format; 'auto' detects it from the column names (README: Data formats)."
+    )
+    column_mapping: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rename columns before the format is detected, {column in the data: column the format "
+        "expects}, e.g. {question: instruction, answer: response}.",
+    )
+    chat_template: Literal["tokenizer", "chatml", "llama3"] = Field(
+        "tokenizer", description="How the chat format renders `messages`: the tokenizer's own chat template, "
+        "or a named one for tokenizers that have none.",
     )
     completion_only_loss: bool | None = Field(
-        None, description="Mask prompt tokens from the loss. None: yes for instruction formats, no for text."
+        None, description="Mask prompt tokens from the loss. None: yes for instruction and chat formats, no for text."
     )
     max_seq_length: int = Field(256, gt=0, description="Tokens per example; longer ones are truncated.")
     eval_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Share of examples held out for evaluation (split by content hash)."
+    )
+    max_empty_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Rows with an empty or whitespace-only response are dropped; fail when "
+        "more than this share of the rows is empty (a sign of a wrong column). Blank lines of text data are "
+        "dropped without limit.",
+    )
+    pack_examples: bool = Field(
+        False, description="Pack whole examples into rows of up to max_seq_length tokens at data time, with "
+        "position_ids restarting at each example. Off: train.packing packs per micro-batch at train time instead.",
     )
 
 
@@ -89,6 +108,35 @@ class TrainArgs(_Section):
     save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints.")
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between loss log lines.")
     seed: int = Field(42, description="Seed for LoRA init, data order and dropout.")
+    # Speed and memory levers (tasks/speed.py); the README's "Performance (GPU)" section has their measurements.
+    packing: bool = Field(
+        True, description="Pack whole examples into each micro-batch, each with its own position ids: no padding, "
+        "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere).",
+    )
+    max_tokens_per_batch: int | None = Field(
+        None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, as many as gpu_memory_budget_gb "
+        "allows; on CPU, per_device_train_batch_size examples per micro-batch.",
+    )
+    gpu_memory_budget_gb: float = Field(
+        16.0, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
+        "size when max_tokens_per_batch is None.",
+    )
+    offload_activations: bool | None = Field(
+        None, description="Keep the checkpointed layer inputs in pinned CPU memory, for long sequences on small "
+        "GPUs. None: only when the budget would otherwise hold fewer tokens than the longest example.",
+    )
+    upcast_frozen_to_fp32: bool = Field(
+        False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "
+        "prepare_model_for_kbit_training). Off keeps them in the compute dtype: less memory, same loss.",
+    )
+    fused_cross_entropy: bool = Field(
+        True, description="Compute the loss and its gradient from the hidden states a chunk at a time, never "
+        "holding all (tokens x vocabulary) float32 logits.",
+    )
+    use_liger_kernel: bool | None = Field(
+        None, description="Liger's fused RMSNorm, SwiGLU and RoPE kernels. None: where liger-kernel is installed "
+        "(the 'gpu' extra) and a GPU is present.",
+    )
 
 
 class EvalArgs(_Section):

@@ -1,25 +1,48 @@
-"""Record formats and prompt templates: each record becomes a (prompt, completion) pair of strings.
+"""Record formats and prompt templates: each record becomes a list of text segments, each in or out of the loss.
 
-The instruction formats share one template; the completion is the response, and by default only its
-tokens count in the loss. Plain text is all completion (continued pre-training).
+The instruction formats (dolly, alpaca) share one template; prompt_completion uses its two strings as
+they are; chat renders `messages` with a Jinja chat template; text is all completion (continued
+pre-training). Segments are tokenized separately and concatenated, so the boundary between masked
+prompt tokens and trained completion tokens is exact. Imports nothing heavy: it runs in tokenizer workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from tasks.errors import UserError
 
-# format -> (required columns, optional context column)
+# format -> (required columns, optional column)
 FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "dolly": (("instruction", "response"), "context"),
     "alpaca": (("instruction", "output"), "input"),
     "prompt_completion": (("prompt", "completion"), None),
+    "chat": (("messages",), None),
     "text": (("text",), None),
 }
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n"
 CONTEXT_TEMPLATE = "### Context:\n{context}\n\n"
 RESPONSE_HEADER = "### Response:\n"
+
+# Named chat templates for tokenizers that ship none (data.chat_template). Their markers are plain text
+# to a tokenizer that lacks them as special tokens: the model learns them like any other text.
+CHAT_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+        "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # Meta-Llama-3-8B-Instruct's template, verbatim
+    "llama3": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+        "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+        "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+}
+
+Segments = list[tuple[str, bool]]  # (text, counts in the loss)
+RenderChat = Callable[[list[dict[str, str]], bool], str]  # (messages, add_generation_prompt) -> text
 
 
 def detect_format(columns: Iterable[str], requested: str) -> str:
@@ -29,8 +52,9 @@ def detect_format(columns: Iterable[str], requested: str) -> str:
         missing = [c for c in FORMATS[requested][0] if c not in cols]
         if missing:
             raise UserError(
-                f"data.format={requested!r} needs columns {', '.join(missing)}, which the data lacks. "
-                f"Columns found: {', '.join(sorted(cols)) or 'none'}. {_matches(cols)}"
+                f"data.format={requested!r} needs column(s) {', '.join(missing)}, which the data lacks. "
+                f"Columns found: {', '.join(sorted(cols)) or 'none'}. {_matches(cols)} Rename columns with "
+                f"data.column_mapping, e.g. {{{sorted(cols)[0] if cols else 'question'}: {missing[0]}}}."
             )
         return requested
     for name, (required, _) in FORMATS.items():
@@ -40,7 +64,8 @@ def detect_format(columns: Iterable[str], requested: str) -> str:
         f"Cannot tell the data's format from its columns: {', '.join(sorted(cols)) or 'none'}. "
         + "Known formats and their columns: "
         + "; ".join(f"{n}: {', '.join(r)}" + (f" (+ optional {o})" if o else "") for n, (r, o) in FORMATS.items())
-        + ". Rename the columns, or set data.format."
+        + ". Rename columns with data.column_mapping (e.g. {question: instruction, answer: response}), "
+        "or set data.format."
     )
 
 
@@ -49,15 +74,53 @@ def _matches(cols: set[str]) -> str:
     return f"They would match: {', '.join(fits)}." if fits else "They match no known format."
 
 
-def to_prompt_completion(record: dict, fmt: str) -> tuple[str, str]:
-    """The prompt and the completion text of one record in format `fmt`."""
+def to_segments(record: dict[str, Any], fmt: str, completion_only: bool, render_chat: RenderChat | None = None
+                ) -> Segments | None:
+    """The record as text segments, or None when its response (or text) is empty; KeyError names a missing column."""
+    if fmt == "chat":
+        return _chat_segments(record["messages"], completion_only, render_chat)
     if fmt == "text":
-        return "", str(record["text"])
+        text = _text(record["text"])
+        return [(text, True)] if text.strip() else None
     if fmt == "prompt_completion":
-        return str(record["prompt"]), str(record["completion"])
-    (instruction_col, response_col), context_col = FORMATS[fmt]
-    prompt = INSTRUCTION_TEMPLATE.format(instruction=str(record[instruction_col]).strip())
-    context = str(record.get(context_col) or "").strip()
-    if context:
-        prompt += CONTEXT_TEMPLATE.format(context=context)
-    return prompt + RESPONSE_HEADER, str(record[response_col]).strip()
+        prompt, completion = _text(record["prompt"]), _text(record["completion"])
+    else:
+        (instruction_col, response_col), context_col = FORMATS[fmt]
+        prompt = INSTRUCTION_TEMPLATE.format(instruction=_text(record[instruction_col]).strip())
+        context = _text(record.get(context_col)).strip()
+        if context:
+            prompt += CONTEXT_TEMPLATE.format(context=context)
+        prompt, completion = prompt + RESPONSE_HEADER, _text(record[response_col]).strip()
+    if not completion.strip():
+        return None
+    return [(prompt, not completion_only), (completion, True)]
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _chat_segments(messages: Any, completion_only: bool, render: RenderChat | None) -> Segments | None:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise ValueError("messages must be a list of {role, content} objects")
+    messages = [{"role": str(m["role"]), "content": _text(m["content"])} for m in messages]
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return None
+    if not completion_only:
+        return [(render(messages, False), True)]
+    # Render each prefix of the conversation: the text an assistant turn adds is trained, the rest masked.
+    segments: Segments = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt, full = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ValueError("the chat template renders a conversation differently from its prefixes, so the "
+                             "assistant turns cannot be located; set data.completion_only_loss=false or pick "
+                             "another data.chat_template")
+        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    rest = render(messages, False)[len(done):]
+    return segments + [(rest, False)] if rest else segments

@@ -1,39 +1,38 @@
 """prepare_data: dataset -> formatted, tokenized train.parquet and eval.parquet.
 
-Reads a local .jsonl/.json/.csv/.parquet file or a hub dataset (id, config name, split with slicing,
-pinned to its resolved revision) and the base model's tokenizer. Writes, into
-runs_dir/prepare_data/<key>/, train.parquet and eval.parquet (columns input_ids and labels, int32
-lists; prompt tokens are -100 in labels when training on completions only) and manifest.json with
-the row counts by reason and token-length statistics.
+Reads local .jsonl/.json/.csv/.parquet/.txt files (one, a folder or a glob), fsspec URLs, or a hub
+dataset (id, config name, split with slicing, pinned to its resolved revision), and the base model's
+tokenizer. Streams the rows in chunks through tokenizer workers on all cores and writes, into
+runs_dir/prepare_data/<key>/, train.parquet and eval.parquet one row group per chunk (columns
+input_ids and labels, int32 lists; prompt tokens are -100 in labels when training on completions
+only; with data.pack_examples, train.parquet rows are packs with position_ids and seq_lengths too)
+and manifest.json with the row counts by reason and token-length statistics. Bad data fails with one
+UserError listing every problem, before any GPU work and without a manifest.
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prefect import task
 
 from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
+from tasks.data_sources import Problems, columns, fingerprint, read_chunks
+from tasks.data_tokenize import Settings, Tokenized, tokenize_all
 from tasks.errors import UserError
-from tasks.formats import detect_format, to_prompt_completion
+from tasks.formats import CHAT_TEMPLATES, detect_format
 from tasks.log import logger
-from tasks.manifest import StageSpec, file_sha256, open_stage
-from tasks.runtime import (
-    TOKENIZER_FILES,
-    is_local,
-    load_tokenizer,
-    model_fingerprint,
-    model_path,
-    resolve_hub_revision,
-)
+from tasks.manifest import StageSpec, open_stage
+from tasks.runtime import TOKENIZER_FILES, load_tokenizer, model_fingerprint, model_path
 
-VERSION = "1"
-LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-BATCH = 1000  # records tokenized per tokenizer call
+VERSION = "2"
+OUTPUTS = ["train.parquet", "eval.parquet"]
 
 
 def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
@@ -41,7 +40,7 @@ def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
     return StageSpec(
         stage="prepare_data", version=VERSION, runs_dir=runs_dir,
         params={"data": args.model_dump(), "tokenizer": {"source": model.base_model, "revision": model.revision}},
-        fingerprint={"data": _data_fingerprint(args),
+        fingerprint={"data": fingerprint(args),
                      **{f"tokenizer_{k}": v for k, v in
                         model_fingerprint(model.base_model, model.revision, only=TOKENIZER_FILES).items()}},
     )
@@ -53,147 +52,175 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
     with open_stage(spec(args, model, runs_dir)) as stage:
         if stage.done:
             return str(stage.dir)
-        records = _read_records(args)
-        fmt = detect_format(records[0].keys() if records else [], args.format)
-        completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
-        pairs, dropped = _to_pairs(records, fmt)
-        tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
-        rows, counts = _tokenize(pairs, tokenizer, args.max_seq_length, completion_only)
-        train, evals = _split(rows, args.eval_fraction)
-        if not train:
-            raise UserError(f"No training examples left in {args.source} after filtering: {counts}.")
-        _write_parquet(stage.dir / "train.parquet", train)
-        _write_parquet(stage.dir / "eval.parquet", evals)
-        metrics = {"format": fmt, "completion_only_loss": completion_only, "rows_in": len(records),
-                   "dropped_empty": dropped, **counts, "train_examples": len(train),
-                   "eval_examples": len(evals), **_length_stats(rows)}
-        logger().info("prepare_data: %s", json.dumps(metrics))
-        stage.finish(["train.parquet", "eval.parquet"], metrics)
+        problems = Problems()
+        chunks = read_chunks(args, problems)
+        first = next(chunks, None)
+        found = columns(first, args.column_mapping) if first else []
+        if not found:
+            problems.raise_if_any(args.source)
+            raise UserError(f"data.source={args.source!r} holds no rows. Point it at a non-empty dataset.")
+        fmt = detect_format(found, args.format)
+        settings = _settings(args, model, fmt)
+        logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
+                      "completion-only" if settings.completion_only else "full-text", settings.max_len)
+        report = _Report(args.max_seq_length)
+        cut = np.uint64(int(args.eval_fraction * 2**64))  # by content hash: reordering rows keeps the split
+        with _Writer(stage.dir / "train.parquet", args.pack_examples, settings) as train, \
+                _Writer(stage.dir / "eval.parquet", False, settings) as evals:
+            for part in tokenize_all(itertools.chain([first], chunks), settings, _cores()):
+                problems.merge(part.problems)
+                report.add(part)
+                train.write(part, part.hashes >= cut)
+                evals.write(part, part.hashes < cut)
+        problems.raise_if_any(args.source)
+        metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
+                   "chat_template": args.chat_template if fmt == "chat" else None,
+                   "pack_examples": args.pack_examples, **report.metrics(train, evals)}
+        _check(args, fmt, metrics)
+        logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
+        stage.finish(OUTPUTS, metrics)
         return str(stage.dir)
 
 
-def _data_fingerprint(args: DataArgs) -> str:
-    if is_local(args.source):
-        return file_sha256(_local_file(args.source))
-    return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
+def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
+    tokenizer_dir = model_path(model.base_model, model.revision)
+    template = None
+    if fmt == "chat":
+        template = CHAT_TEMPLATES.get(args.chat_template)
+        if template is None and not load_tokenizer(tokenizer_dir).chat_template:
+            raise UserError(f"The tokenizer of {model.base_model} has no chat template, so the chat format cannot "
+                            f"be rendered. Set data.chat_template to one of {', '.join(CHAT_TEMPLATES)} "
+                            "(README: Data formats).")
+    completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
+    return Settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only, args.max_seq_length,
+                    template)
 
 
-def _local_file(source: str) -> Path:
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise UserError(f"data.source={source!r}: no such file. Give a {'/'.join(LOCAL_SUFFIXES)} file "
-                        "or a Hugging Face hub dataset id such as databricks/databricks-dolly-15k.")
-    if path.suffix not in LOCAL_SUFFIXES:
-        raise UserError(f"data.source={source!r}: unsupported file type {path.suffix!r}; "
-                        f"use one of {', '.join(LOCAL_SUFFIXES)}.")
-    return path
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _read_records(args: DataArgs) -> list[dict[str, Any]]:
-    if not is_local(args.source):
-        return _read_hub(args)
-    path = _local_file(args.source)
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    import pandas as pd
+class _Writer:
+    """One Parquet file written a row group per chunk; with packing, each chunk's examples are packed first."""
 
-    try:
-        if path.suffix == ".csv":
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8")
-        elif path.suffix == ".json":
-            frame = pd.read_json(path, dtype=False)
-        else:
-            frame = pd.read_parquet(path)
-    except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as exc:
-        raise UserError(f"data.source={args.source!r} could not be read as {path.suffix}: {exc}") from exc
-    return frame.to_dict(orient="records")
+    def __init__(self, path: Path, packing: bool, settings: Settings) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
+        self.packing, self.max_len = packing, settings.max_len
+        fields = ["input_ids", "labels", *(["position_ids", "seq_lengths"] if packing else [])]
+        meta = {"qlora_pipeline": json.dumps({"stage": "prepare_data", "version": VERSION, "format": settings.fmt,
+                                              "packed": packing, "max_seq_length": settings.max_len})}
+        self.schema = pa.schema([(f, pa.list_(pa.int32())) for f in fields], metadata=meta)
+        self.file = pq.ParquetWriter(path, self.schema)
+        self.examples = self.rows = self.tokens = self.label_tokens = 0
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records, bad = [], []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
-                bad.append(number)
-                continue
-            if not isinstance(record, dict):
-                bad.append(number)
-                continue
-            records.append(record)
-    if bad:
-        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-        raise UserError(f"{path}: {len(bad)} line(s) are not UTF-8 JSON objects (lines {shown}). "
-                        "Fix or remove them; each line must be one JSON object.")
-    return records
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def write(self, part: Tokenized, mask: np.ndarray) -> None:
+        import pyarrow as pa
+
+        if not mask.any():
+            return
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)]).astype(np.int32)
+        table = pa.table({name: pa.ListArray.from_arrays(offsets, values)
+                          for name, values in (("input_ids", part.input_ids), ("labels", part.labels))}).filter(mask)
+        self.examples += len(table)
+        self.tokens += int(part.lengths[mask].sum())
+        self.label_tokens += int(np.repeat(mask, part.lengths)[part.labels != -100].sum())
+        if self.packing:
+            table = _pack(table, self.max_len)
+        self.rows += len(table)
+        self.file.write_table(table.cast(self.schema))
 
 
-def _read_hub(args: DataArgs) -> list[dict[str, Any]]:
-    from datasets import load_dataset
-
-    revision = resolve_hub_revision(args.source, args.revision, repo_type="dataset")
-    dataset = load_dataset(args.source, args.name, split=args.split, revision=revision)
-    return dataset.to_list()
-
-
-def _to_pairs(records: list[dict[str, Any]], fmt: str) -> tuple[list[tuple[str, str]], int]:
-    pairs = [to_prompt_completion(r, fmt) for r in records]
-    kept = [(p, c) for p, c in pairs if c.strip()]
-    return kept, len(pairs) - len(kept)
-
-
-def _tokenize(pairs: list[tuple[str, str]], tokenizer: Any, max_len: int, completion_only: bool
-              ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    rows: list[dict[str, Any]] = []
-    truncated = no_labels = 0
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for start in range(0, len(pairs), BATCH):
-        chunk = pairs[start:start + BATCH]
-        prompts = tokenizer([p for p, _ in chunk], add_special_tokens=True)["input_ids"]
-        completions = tokenizer([c for _, c in chunk], add_special_tokens=False)["input_ids"]
-        for (prompt_text, completion_text), p_ids, c_ids in zip(chunk, prompts, completions, strict=True):
-            ids = p_ids + c_ids + eos
-            labels = ([-100] * len(p_ids) if completion_only else p_ids) + c_ids + eos
-            if len(ids) > max_len:
-                truncated += 1
-                ids, labels = ids[:max_len], labels[:max_len]
-            if all(label == -100 for label in labels):
-                no_labels += 1  # the prompt alone fills max_seq_length: nothing to learn from
-                continue
-            rows.append({"input_ids": ids, "labels": labels, "_hash": _example_hash(prompt_text, completion_text)})
-    return rows, {"truncated": truncated, "dropped_prompt_too_long": no_labels}
-
-
-def _example_hash(prompt: str, completion: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{prompt}\x00{completion}".encode()).digest()[:8], "big")
-
-
-def _split(rows: list[dict[str, Any]], eval_fraction: float) -> tuple[list[dict], list[dict]]:
-    # by content hash, so the split does not change when rows are reordered or appended
-    cut = int(eval_fraction * 2**64)
-    train = [r for r in rows if r["_hash"] >= cut]
-    evals = [r for r in rows if r["_hash"] < cut]
-    return train, evals
-
-
-def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
+def _pack(table: Any, max_len: int) -> Any:
+    """Best-fit-decreasing packing (trl's), with position ids restarting at each example."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
 
-    table = pa.table({
-        "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
-        "labels": pa.array([r["labels"] for r in rows], type=pa.list_(pa.int32())),
+    packed = pack_dataset(Dataset(table), max_len, strategy="bfd", map_kwargs={"batch_size": len(table)}).data.table
+    lengths = packed.column("seq_lengths").combine_chunks()
+    sizes = lengths.flatten().to_numpy()
+    positions = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    labels = packed.column("labels").combine_chunks()
+    # the first token of each example would be predicted from the previous example's last: not a label
+    flat = np.where(positions == 0, -100, labels.flatten().to_numpy()).astype(np.int32)
+    return pa.table({
+        "input_ids": packed.column("input_ids").combine_chunks(),
+        "labels": pa.ListArray.from_arrays(labels.offsets, flat),
+        "position_ids": pa.ListArray.from_arrays(labels.offsets, positions.astype(np.int32)),
+        "seq_lengths": lengths,
     })
-    pq.write_table(table, path)
 
 
-def _length_stats(rows: list[dict[str, Any]]) -> dict[str, int]:
-    import numpy as np
+class _Report:
+    """Counts by reason and a histogram of token lengths (exact percentiles in memory that does not grow)."""
 
-    lengths = np.array([len(r["input_ids"]) for r in rows] or [0])
-    p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
-    return {"tokens": int(lengths.sum()), "len_p50": p50, "len_p90": p90, "len_p99": p99,
-            "len_max": int(lengths.max())}
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.counts = {"rows_in": 0, "dropped_empty": 0, "dropped_prompt_too_long": 0, "truncated": 0}
+        self.histogram = np.zeros(max_len + 1, dtype=np.int64)
+
+    def add(self, part: Tokenized) -> None:
+        for key, value in (("rows_in", part.rows), ("dropped_empty", part.empty),
+                           ("dropped_prompt_too_long", part.prompt_too_long), ("truncated", part.truncated)):
+            self.counts[key] += value
+        if len(part.raw_lengths) and part.raw_lengths.max() >= len(self.histogram):
+            self.histogram = np.pad(self.histogram, (0, int(part.raw_lengths.max()) + 1 - len(self.histogram)))
+        self.histogram += np.bincount(part.raw_lengths, minlength=len(self.histogram))
+
+    def metrics(self, train: _Writer, evals: _Writer) -> dict[str, Any]:
+        rendered = int(self.histogram.sum())
+        cumulative = np.cumsum(self.histogram)
+        at = {q: int(np.searchsorted(cumulative, q / 100 * rendered)) if rendered else 0 for q in (50, 90, 99)}
+        kept = train.examples + evals.examples
+        return {**self.counts, "rows_out": kept, "train_examples": train.examples, "eval_examples": evals.examples,
+                "train_rows": train.rows, "truncation_rate": round(self.counts["truncated"] / max(kept, 1), 4),
+                "len_p50": at[50], "len_p90": at[90], "len_p99": at[99],
+                "len_max": int(np.flatnonzero(self.histogram)[-1]) if rendered else 0,
+                "len_min": int(np.flatnonzero(self.histogram)[0]) if rendered else 0,
+                "tokens": train.tokens + evals.tokens, "train_label_tokens": train.label_tokens,
+                # share of a [rows x max_seq_length] batch that would be padding
+                "padding_waste": round(1 - train.tokens / max(train.rows * self.max_len, 1), 4)}
+
+
+def _check(args: DataArgs, fmt: str, m: dict[str, Any]) -> None:
+    if fmt != "text" and m["dropped_empty"] > args.max_empty_fraction * m["rows_in"]:
+        raise UserError(
+            f"{m['dropped_empty']} of {m['rows_in']} rows ({m['dropped_empty'] / m['rows_in']:.0%}) have an empty or "
+            f"whitespace-only response, more than data.max_empty_fraction={args.max_empty_fraction}. Check that "
+            "the response column is the right one (data.column_mapping, data.format), or raise "
+            "data.max_empty_fraction.")
+    if m["len_min"] > args.max_seq_length:
+        raise UserError(
+            f"Every example is longer than data.max_seq_length={args.max_seq_length} tokens (shortest {m['len_min']}, "
+            f"median {m['len_p50']}). Raise data.max_seq_length (to about {m['len_p90']} to keep 90% whole).")
+    if m["train_examples"] == 0:
+        raise UserError(
+            f"No training examples left in {args.source} after filtering: {m['rows_in']} rows read, "
+            f"{m['dropped_empty']} empty, {m['dropped_prompt_too_long']} with a prompt of max_seq_length tokens or "
+            f"more, {m['eval_examples']} held out for eval. Check the data, or raise data.max_seq_length.")
+    if args.eval_fraction > 0 and m["eval_examples"] == 0:
+        raise UserError(
+            f"No eval examples: data.eval_fraction={args.eval_fraction} of {m['rows_out']} examples held out none. "
+            "Raise data.eval_fraction or add data.")
+
+
+def _table(m: dict[str, Any], max_len: int) -> str:
+    rows = [("rows read", f"{m['rows_in']:,}"),
+            ("dropped: empty response/text", f"{m['dropped_empty']:,}"),
+            ("dropped: prompt fills max_seq_length", f"{m['dropped_prompt_too_long']:,}"),
+            ("examples kept (train / eval)", f"{m['rows_out']:,} ({m['train_examples']:,} / {m['eval_examples']:,})"),
+            ("truncated to max_seq_length", f"{m['truncated']:,} ({m['truncation_rate']:.1%}), max {max_len}"),
+            ("tokens per example p50/p90/p99/max",
+             f"{m['len_p50']} / {m['len_p90']} / {m['len_p99']} / {m['len_max']}"),
+            ("train rows" + (" (packed)" if m["pack_examples"] else ""), f"{m['train_rows']:,}"),
+            ("padding waste at max_seq_length", f"{m['padding_waste']:.1%}"),
+            ("tokens written", f"{m['tokens']:,}")]
+    return "\n".join(f"  {label:<38} {value}" for label, value in rows)

@@ -1,0 +1,326 @@
+"""Where prepare_data's rows come from: local files, directories and globs, fsspec URLs, hub datasets.
+
+Everything is read in chunks (RawChunk) that tokenizer workers decode, so memory does not grow with
+the dataset. Problems in the data (bad JSON lines, non-UTF-8 bytes, ragged CSV rows) are collected in
+`Problems`, not raised one by one, so one error message lists them all.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tasks.config import DataArgs
+from tasks.errors import UserError
+from tasks.manifest import file_sha256, files_fingerprint, hash_json
+from tasks.runtime import is_local, resolve_hub_revision
+
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw: one text row per line
+CHUNK_ROWS = 4096  # rows per chunk: one tokenizer call, one Parquet row group
+CHUNK_BYTES = 8 << 20  # and at most this many bytes, for long documents
+_SURROGATE = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under errors="surrogateescape"
+_HUB_NOT_FOUND = ("LocalEntryNotFoundError", "RepositoryNotFoundError", "RevisionNotFoundError")
+_REMOTE_HASHES: dict[tuple[str, str], str] = {}
+
+
+@dataclass
+class RawChunk:
+    """Rows as read, before decoding: JSON lines or text lines (bytes), or records (dicts or an Arrow batch)."""
+
+    where: str  # file or dataset, for messages
+    kind: Literal["json_lines", "text_lines", "records", "arrow"]
+    rows: Any
+    first: int  # line number (lines) or 1-based row number (records) of rows[0]
+    unit: str = "line"
+
+
+@dataclass
+class Problems:
+    """Bad rows by problem; each problem's text ends with its fix. Keeps the first 10 locations of each."""
+
+    counts: Counter = field(default_factory=Counter)
+    where: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # problem -> [(file, "line 7")]
+
+    def add(self, problem: str, file: str, location: str) -> None:
+        self.counts[problem] += 1
+        shown = self.where.setdefault(problem, [])
+        if len(shown) < 10:
+            shown.append((file, location))
+
+    def merge(self, other: Problems) -> None:
+        for problem, locations in other.where.items():
+            kept = self.where.setdefault(problem, [])
+            kept += locations[: 10 - len(kept)]
+        self.counts.update(other.counts)
+
+    def raise_if_any(self, source: str) -> None:
+        if not self.counts:
+            return
+        parts = []
+        for problem, n in self.counts.items():
+            by_file: dict[str, list[str]] = {}
+            for file, location in self.where[problem]:
+                by_file.setdefault(file, []).append(location)
+            shown = "; ".join(f"{file} {', '.join(locs)}" for file, locs in by_file.items())
+            parts.append(f"{n} row(s) {problem}: {shown}{' ...' if n > 10 else ''}.")
+        raise UserError(f"data.source={source!r} has bad rows, so nothing was written. " + " ".join(parts))
+
+
+def is_hub(source: str) -> bool:
+    """A hub dataset id (`org/name`), not a URL, an existing path or something written like a file name."""
+    return not ("://" in source or is_local(source) or source.endswith(SUFFIXES) or glob.has_magic(source))
+
+
+def data_files(source: str) -> tuple[Any, list[str]]:
+    """The fsspec filesystem and the sorted data files a local or URL source names (a file, folder or glob)."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    url = source if "://" in source else str(Path(source).expanduser())
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:  # fsspec knows the protocol but its package is missing
+        protocol = source.split("://")[0]
+        package = known_implementations.get(protocol, {}).get("class", "").split(".")[0]
+        raise UserError(f"data.source={source!r}: reading {protocol}:// needs the {package or protocol} package, "
+                        f"which is not installed. Install it (pip install {package}) or copy the data to a "
+                        "local file.") from exc
+    except ValueError as exc:
+        raise UserError(f"data.source={source!r}: {exc}. Give a local path, a URL whose protocol fsspec "
+                        "knows (s3://, gs://, ...) or a hub dataset id.") from exc
+    if glob.has_magic(path):
+        paths = [p for p in fs.glob(path) if fs.isfile(p)]
+    elif fs.isdir(path):
+        paths = fs.find(path)
+    elif fs.isfile(path):
+        if not path.endswith(SUFFIXES):
+            raise UserError(f"data.source={source!r}: unsupported file type {Path(path).suffix!r}; "
+                            f"use one of {', '.join(SUFFIXES)}.")
+        paths = [path]
+    else:
+        raise UserError(f"data.source={source!r}: no such file or folder. Give a {'/'.join(SUFFIXES)} file, a "
+                        "folder or glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
+    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
+    if not paths:
+        raise UserError(f"data.source={source!r} matched no {'/'.join(SUFFIXES)} files.")
+    return fs, paths
+
+
+def _is_local_fs(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def fingerprint(args: DataArgs) -> str:
+    """Content identity of the data: the bytes of every file read, or the resolved hub commit."""
+    if is_hub(args.source):
+        try:
+            return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
+        except Exception as exc:
+            if type(exc).__name__ not in _HUB_NOT_FOUND:
+                raise  # network trouble: let the stage retry
+            raise UserError(f"data.source={args.source!r} (revision {args.revision or 'default'}) is not a hub dataset "
+                            f"that can be reached: {exc}. Check the id, or with HF_HUB_OFFLINE=1 fetch it first "
+                            f"(hf download {args.source} --repo-type dataset).") from exc
+    fs, paths = data_files(args.source)
+    if _is_local_fs(fs):
+        if len(paths) == 1:
+            return file_sha256(Path(paths[0]))
+        return files_fingerprint([Path(p) for p in paths], root=Path(os.path.commonpath(paths)))
+    return hash_json(sorted((p, _remote_sha256(fs, p)) for p in paths))
+
+
+def _remote_sha256(fs: Any, path: str) -> str:
+    # the bytes themselves, memoised by the server's checksum (ETag, md5, mtime) within the process
+    memo = (path, str(fs.checksum(path)))
+    if memo not in _REMOTE_HASHES:
+        h = hashlib.sha256()
+        with fs.open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _REMOTE_HASHES[memo] = h.hexdigest()
+    return _REMOTE_HASHES[memo]
+
+
+def read_chunks(args: DataArgs, problems: Problems) -> Iterator[RawChunk]:
+    """The source's rows in chunks, in a fixed order (files sorted by name)."""
+    if is_hub(args.source):
+        yield from _hub_chunks(args)
+        return
+    fs, paths = data_files(args.source)
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            if path.endswith(".csv"):
+                yield from _csv_chunks(f, path, problems)
+            elif path.endswith(".parquet"):
+                yield from _arrow_chunks(_parquet_batches(f), path)
+            elif path.endswith((".txt", ".raw")):
+                yield from _line_chunks(f, path, "text_lines")
+            elif path.endswith(".json") and _starts_array(f):
+                yield from _json_array_chunks(f, path, problems)
+            else:
+                yield from _line_chunks(f, path, "json_lines")
+
+
+def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"]) -> Iterator[RawChunk]:
+    rows: list[bytes] = []
+    first = size = 0
+    for number, line in enumerate(f, start=1):
+        if not rows:
+            first = number
+        rows.append(line)
+        size += len(line)
+        if len(rows) >= CHUNK_ROWS or size >= CHUNK_BYTES:
+            yield RawChunk(where, kind, rows, first)
+            rows, size = [], 0
+    if rows:
+        yield RawChunk(where, kind, rows, first)
+
+
+def _starts_array(f: Any) -> bool:
+    head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    f.seek(0)
+    return head.startswith(b"[")
+
+
+def _json_array_chunks(f: Any, where: str, problems: Problems) -> Iterator[RawChunk]:
+    # one JSON array cannot be streamed with the standard library: it is read whole (use .jsonl for big data)
+    try:
+        records = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        problems.add("are not UTF-8 (save the file as UTF-8)", where, f"byte {exc.start}")
+        return
+    except ValueError as exc:
+        problems.add("are not valid JSON (fix the syntax)", where, f"line {getattr(exc, 'lineno', '?')}")
+        return
+    for start in range(0, len(records), CHUNK_ROWS):
+        yield RawChunk(where, "records", records[start:start + CHUNK_ROWS], start + 1, unit="item")
+
+
+def _csv_chunks(f: Any, where: str, problems: Problems) -> Iterator[RawChunk]:
+    # the csv module, not pyarrow's reader: it gives the line number of every ragged or undecodable row
+    text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    reader = csv.reader(text)
+    header = next(reader, [])
+    records: list[dict[str, str]] = []
+    line, count = reader.line_num, 0
+    for row in reader:
+        start, line = line + 1, reader.line_num
+        if not row:
+            continue
+        if _SURROGATE.search("".join(row)):
+            problems.add("are not UTF-8 (save the file as UTF-8)", where, f"line {start}")
+        elif len(row) != len(header):
+            problems.add(f"have a different number of fields than the header's {len(header)} (quote fields "
+                         "that contain commas or line breaks)", where, f"line {start} ({len(row)} fields)")
+        else:
+            count += 1
+            records.append(dict(zip(header, row, strict=True)))
+            if len(records) >= CHUNK_ROWS:
+                yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
+                records = []
+    if records:
+        yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
+
+
+def _parquet_batches(f: Any) -> Iterator[Any]:
+    import pyarrow.parquet as pq
+
+    yield from pq.ParquetFile(f).iter_batches(batch_size=CHUNK_ROWS)
+
+
+def _arrow_chunks(batches: Iterator[Any], where: str) -> Iterator[RawChunk]:
+    row = 1
+    for batch in batches:
+        yield RawChunk(where, "arrow", batch, row, unit="row")
+        row += batch.num_rows
+
+
+def _hub_chunks(args: DataArgs) -> Iterator[RawChunk]:
+    import huggingface_hub
+    from datasets import load_dataset
+    from huggingface_hub import snapshot_download
+
+    commit = resolve_hub_revision(args.source, args.revision, repo_type="dataset")
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        # datasets cannot read the hub cache offline, only its own; the snapshot folder holds the same files
+        path = snapshot_download(args.source, repo_type="dataset", revision=commit, local_files_only=True)
+        dataset = load_dataset(path, args.name, split=args.split)
+    else:
+        dataset = load_dataset(args.source, args.name, split=args.split, revision=commit)
+    yield from _arrow_chunks(dataset.with_format("arrow").iter(batch_size=CHUNK_ROWS), f"{args.source}@{commit[:8]}")
+
+
+def columns(chunk: RawChunk, mapping: dict[str, str]) -> list[str]:
+    """Column names seen in a chunk (after renaming), for format detection."""
+    if chunk.kind == "arrow":
+        names = list(chunk.rows.schema.names)
+    elif chunk.kind == "text_lines":
+        names = ["text"]
+    else:
+        found: dict[str, None] = {}
+        for row in chunk.rows[:1000]:
+            record = row if isinstance(row, dict) else _try_json(row)
+            found.update(dict.fromkeys(record if isinstance(record, dict) else ()))
+        names = list(found)
+    return [mapping.get(n, n) for n in names]
+
+
+def _try_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def decode(chunk: RawChunk, mapping: dict[str, str], problems: Problems) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("line 7", record) for each row of a chunk; undecodable rows go to `problems`."""
+    at = f"{chunk.unit} {{}}".format
+    if chunk.kind == "arrow":
+        rows: Any = chunk.rows.to_pylist()
+    elif chunk.kind == "text_lines":
+        rows = (_text_line(raw, chunk.where, at(chunk.first + i), problems) for i, raw in enumerate(chunk.rows))
+    elif chunk.kind == "json_lines":
+        rows = (_json_line(raw, chunk.where, at(chunk.first + i), problems) for i, raw in enumerate(chunk.rows))
+    else:
+        rows = chunk.rows
+    for i, record in enumerate(rows):
+        if record is None:
+            continue
+        if mapping:
+            record = {mapping.get(k, k): v for k, v in record.items()}
+        yield at(chunk.first + i), record
+
+
+def _text_line(raw: bytes, file: str, where: str, problems: Problems) -> dict[str, str] | None:
+    try:
+        return {"text": raw.decode("utf-8").rstrip("\r\n")}
+    except UnicodeDecodeError:
+        problems.add("are not UTF-8 (save the file as UTF-8)", file, where)
+        return None
+
+
+def _json_line(raw: bytes, file: str, where: str, problems: Problems) -> dict[str, Any] | None:
+    if not raw.strip():
+        return None  # blank lines are allowed between records
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        problems.add("are not UTF-8 (save the file as UTF-8)", file, where)
+        return None
+    except ValueError:
+        problems.add("are not valid JSON (each line must be one complete JSON object)", file, where)
+        return None
+    if not isinstance(record, dict):
+        problems.add("are JSON but not objects (each line must be one {\"column\": value, ...} object)", file, where)
+        return None
+    return record

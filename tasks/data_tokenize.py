@@ -1,0 +1,180 @@
+"""Tokenizer workers for prepare_data: a chunk of raw rows -> token arrays, in this process or in a pool.
+
+A worker decodes the rows (JSON parsing included), renders each record into text segments
+(tasks.formats), tokenizes all segments of the chunk in one batched call of the fast tokenizer and
+assembles input_ids/labels with numpy, truncated to max_seq_length. Chunks come back in input order,
+so the output does not depend on the number of workers. Imports no torch, so spawned workers start fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tasks.data_sources import Problems, RawChunk, decode
+from tasks.formats import Segments, to_segments
+from tasks.log import logger
+
+POOL_AFTER_CHUNKS = 8  # small data stays in this process: starting workers costs seconds (imports, tokenizer)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a worker needs to turn rows into tokens (picklable: it is sent to spawned workers)."""
+
+    tokenizer_dir: str
+    fmt: str
+    column_mapping: dict[str, str]
+    completion_only: bool
+    max_len: int
+    chat_template: str | None  # Jinja text for chat; None = the tokenizer's own
+
+
+@dataclass
+class Tokenized:
+    """One chunk's output: kept examples concatenated, with per-example lengths, and its counts."""
+
+    input_ids: np.ndarray  # int32
+    labels: np.ndarray  # int32, -100 where not in the loss
+    lengths: np.ndarray  # int64 per kept example, after truncation
+    hashes: np.ndarray  # uint64 per kept example: the split key
+    raw_lengths: np.ndarray  # int64 per non-empty example, before truncation
+    rows: int = 0
+    empty: int = 0
+    prompt_too_long: int = 0
+    truncated: int = 0
+    problems: Problems = field(default_factory=Problems)
+
+
+_STATE: dict[str, Any] = {}
+
+
+def init(settings: Settings, worker: bool = False) -> None:
+    """Load the tokenizer once per process."""
+    if worker:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+    from tasks.runtime import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.tokenizer_dir)
+    probe = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(probe)) if probe[i:i + len(plain)] == plain)
+    _STATE.update(
+        settings=settings, tokenizer=tokenizer, backend=getattr(tokenizer, "_tokenizer", None),
+        # chat templates write their own special tokens; other formats get the tokenizer's prefix (BOS)
+        prefix=[] if settings.fmt == "chat" else probe[:at],
+        eos=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+    )
+
+
+def _render_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    return _STATE["tokenizer"].apply_chat_template(
+        messages, chat_template=_STATE["settings"].chat_template, tokenize=False,
+        add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_chunk(chunk: RawChunk) -> Tokenized:
+    """Decode, render, tokenize and truncate one chunk (in a worker or in this process)."""
+    s: Settings = _STATE["settings"]
+    eos_text = _STATE["tokenizer"].eos_token or "\x00"
+    out = Tokenized(*(np.zeros(0, t) for t in (np.int32, np.int32, np.int64, np.uint64, np.int64)))
+    pieces: list[list[int] | None] = []  # per example: prefix, its segments' tokens, eos
+    piece_example: list[int] = []
+    piece_trained: list[bool] = []
+    texts: list[str] = []
+    slots: list[int] = []
+    hashes: list[int] = []
+    for where, record in decode(chunk, s.column_mapping, out.problems):
+        out.rows += 1
+        try:
+            segments = to_segments(record, s.fmt, s.completion_only, _render_chat)
+        except KeyError as exc:
+            out.problems.add(f"lack column {exc.args[0]!r} (every row needs the format's columns; "
+                             "rename others with data.column_mapping)", chunk.where, where)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a row the format cannot read (bad messages, template error)
+            out.problems.add(f"cannot be read as format {s.fmt!r}: {exc}", chunk.where, where)
+            continue
+        if segments is None:
+            out.empty += 1
+            continue
+        example = len(hashes)
+        hashes.append(_hash(segments))
+        eos = _STATE["eos"] if s.fmt != "chat" or not segments[-1][0].rstrip().endswith(eos_text) else []
+        fixed: list[tuple[list[int], bool]] = [(_STATE["prefix"], not s.completion_only)]
+        for text, trained in segments:
+            slots.append(len(pieces) + len(fixed))
+            fixed.append(([], trained))
+            texts.append(text)
+        fixed.append((eos, segments[-1][1]))
+        for ids, trained in fixed:
+            pieces.append(ids)
+            piece_example.append(example)
+            piece_trained.append(trained)
+    for slot, ids in zip(slots, _encode(texts), strict=True):
+        pieces[slot] = ids
+    if hashes:
+        _assemble(out, pieces, piece_example, piece_trained, len(hashes), s.max_len)
+        out.hashes = np.array(hashes, dtype=np.uint64)[out.hashes]  # _assemble left the kept indices there
+    return out
+
+
+def _encode(texts: list[str]) -> list[list[int]]:
+    backend = _STATE["backend"]
+    if backend is None:  # a slow (Python) tokenizer
+        return _STATE["tokenizer"](texts, add_special_tokens=False)["input_ids"]
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast skips character offsets
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def _hash(segments: Segments) -> int:
+    text = "\x00".join(t for t, _ in segments)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+
+
+def _assemble(out: Tokenized, pieces: list[Any], piece_example: list[int], piece_trained: list[bool],
+              n: int, max_len: int) -> None:
+    # all in numpy: the Python loop above is per example, this is per token
+    sizes = np.fromiter(map(len, pieces), np.int64, len(pieces))
+    ids = np.fromiter(itertools.chain.from_iterable(pieces), np.int32, int(sizes.sum()))
+    labels = np.where(np.repeat(np.array(piece_trained), sizes), ids, np.int32(-100)).astype(np.int32)
+    length = np.bincount(np.array(piece_example), weights=sizes, minlength=n).astype(np.int64)
+    position = np.arange(len(ids)) - np.repeat(np.cumsum(length) - length, length)
+    ids, labels = ids[position < max_len], labels[position < max_len]
+    kept_length = np.minimum(length, max_len)
+    trained = np.bincount(np.repeat(np.arange(n), kept_length), weights=labels != -100, minlength=n)
+    keep = trained > 0  # a prompt that fills max_seq_length leaves nothing to learn from
+    token_keep = np.repeat(keep, kept_length)
+    out.input_ids, out.labels, out.lengths = ids[token_keep], labels[token_keep], kept_length[keep]
+    out.raw_lengths, out.hashes = length, np.flatnonzero(keep)
+    out.truncated = int((length[keep] > max_len).sum())
+    out.prompt_too_long = int(n - keep.sum())
+
+
+def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -> Iterator[Tokenized]:
+    """tokenize_chunk over chunks, in order: the first POOL_AFTER_CHUNKS here, the rest in a pool of workers."""
+    init(settings)
+    chunks = iter(chunks)
+    yield from map(tokenize_chunk, itertools.islice(chunks, POOL_AFTER_CHUNKS if workers > 1 else None))
+    rest = next(chunks, None)
+    if rest is None:
+        return
+    logger().info("prepare_data: more than %d chunks of rows: tokenizing in %d processes", POOL_AFTER_CHUNKS, workers)
+    # spawn, not fork: the parent may hold threads (Prefect, tokenizers) that a fork would copy mid-lock
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=init, initargs=(settings, True)) as pool:
+        pending: deque[Any] = deque()
+        for chunk in itertools.chain([rest], chunks):
+            pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:  # bounded read-ahead: memory stays flat however big the data
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

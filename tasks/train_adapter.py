@@ -41,10 +41,10 @@ def spec(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_
 @task(name="train_adapter", **stage_task_options(spec))
 def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: str, model_dir: str) -> str:
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
+    check_target_modules(lora.target_modules, Path(model_dir))
     with open_stage(spec(lora, train, runs_dir, data_dir, model_dir), keep=("checkpoints", "loss.jsonl")) as stage:
         if stage.done:
             return str(stage.dir)
-        check_target_modules(lora.target_modules, Path(model_dir))
         examples = ParquetExamples(Path(data_dir) / "train.parquet")
         resume = latest_checkpoint(stage.dir / "checkpoints")
         model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))

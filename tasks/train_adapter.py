@@ -19,7 +19,7 @@ from typing import Any
 
 from prefect import task
 
-from tasks.batches import ParquetExamples, latest_checkpoint, pad_collator
+from tasks.batches import ParquetExamples, latest_checkpoint
 from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, TrainArgs
 from tasks.errors import UserError
@@ -96,6 +96,10 @@ def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, examples: ParquetExample
 
 def smaller_micro_batch(train: TrainArgs, exc: BaseException) -> TrainArgs:
     """Half the micro-batch (or less) and proportionally more accumulation: the same effective batch."""
+    from tasks import speed
+
+    if train.packing and speed.LAST_CHOICE.get("max_tokens_per_batch"):  # packs sized in tokens
+        return speed.smaller_packs(train, exc)
     batch, accum = train.per_device_train_batch_size, train.gradient_accumulation_steps
     if batch == 1:
         raise UserError(
@@ -115,11 +119,13 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
 
+    from tasks import speed
+
     model = load_quantized(model_dir)
-    model = prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=train.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    if train.upcast_frozen_to_fp32:  # checkpointing is enabled later, by speed.training_batches
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    applied = speed.prepare_base(model, train)
+    logger().info("train_adapter: %s", ", ".join(applied) or "no speed levers apply on this device")
     set_seed(train.seed)  # LoRA's A matrices are drawn here
     return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump()))
 
@@ -127,10 +133,11 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:
 def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path, model_dir: Path) -> Any:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
+    from tasks import speed
     from tasks.callbacks import LossLog, Progress, mark_complete
 
     compute = (read_manifest(model_dir) or {}).get("metrics", {}).get("compute_dtype", "float32")
-    settings = train.model_dump()
+    settings = speed.trainer_settings(train)
     if settings["bf16"] is None:  # bnb needs compute dtype == training dtype
         settings["bf16"] = compute == "bfloat16"
     args = TrainingArguments(
@@ -139,8 +146,9 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path,
         use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
         dataloader_num_workers=0, **settings,
     )
-    collator = pad_collator(model.config.pad_token_id or 0, multiple_of=8 if device() == "cuda" else 1)
+    dataset, collator, choice = speed.training_batches(model, examples, train)
+    logger().info("train_adapter: micro-batches %s", choice)
     callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()]
-    trainer = Trainer(model=model, args=args, train_dataset=examples, data_collator=collator, callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # it prints raw dicts to stdout; Progress logs instead
     return trainer

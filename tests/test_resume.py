@@ -101,8 +101,9 @@ def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, m
     seen: list[int] = []
 
     def step_that_ooms_above_2(self, model, inputs, *args, **kwargs):  # a GPU with room for 2 examples
-        seen.append(inputs["input_ids"].shape[0])
-        if inputs["input_ids"].shape[0] > 2:
+        packed = "cu_seq_lens_q" in inputs  # train.packing: one row of whole examples
+        seen.append(inputs["cu_seq_lens_q"].numel() - 1 if packed else inputs["input_ids"].shape[0])
+        if seen[-1] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_step(self, model, inputs, *args, **kwargs)
 

@@ -1,0 +1,534 @@
+"""Training speed and memory of train_adapter beside the reference recipe (and Unsloth), in one GPU run.
+
+Builds a Llama-3.1-8B-shaped model with random weights once (the shared reference_recipe.make_model_dir),
+quantizes it through the pipeline's own prepare_model stage, then measures on the same synthetic examples
+(token ids at random, lengths lognormal with median 250 and sigma 0.8, at least 16, cut at --seq, seed 0):
+
+  (a) reference: the shared reference_recipe.py, as a subprocess (HF Trainer + PEFT + bnb, micro-batch 1)
+  (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter._peft_model and _trainer) with
+                 its defaults, LoRA r=16 on all seven projections
+  (c) unsloth:   the shared unsloth_probe.py, where its wheels are installed (--unsloth-site)
+
+For each: real (non-padding) tokens/s, time per 1,000 examples, peak allocated and reserved GPU memory,
+losses, and the longest sequence that trains under a 16 GiB cap (torch.cuda.set_per_process_memory_fraction).
+pipeline.loss_rel_diff is the relative difference of the per-token loss of the pipeline's training forward
+and the reference recipe's (prepare_model_for_kbit_training, micro-batch 1) on the same 4-bit weights and
+examples before any update. Timed runs go one at a time; the capped probes run side by side afterwards.
+
+usage (GPU host, from the repository root; see bench/README.md):
+  python bench/bench_train.py --shared .shared_bench --out bench/results --logs $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 128256
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared data: the same lengths and ids as the shared scripts
+# --------------------------------------------------------------------------------------------------------------
+
+def lengths(n: int, seq: int) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [int(x) for x in np.minimum(np.maximum(rng.lognormal(np.log(250), 0.8, n).astype(int), 16), seq)]
+
+
+def token_rows(lens: list[int], vocab: int = VOCAB) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def write_examples(path: Path, rows: list[list[int]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"input_ids": rows, "labels": rows}), path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Workers (each runs in its own process so that its GPU memory figures are its own)
+# --------------------------------------------------------------------------------------------------------------
+
+def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
+    """The bf16 8B-shaped model (shared make_model_dir), a 128,256-id tokenizer, and the pipeline's 4-bit stage."""
+    sys.path.insert(0, spec["shared"])
+    from reference_recipe import make_model_dir
+
+    t = time.time()
+    make_model_dir(spec["model_dir"])
+    made = time.time() - t
+    _write_tokenizer(Path(spec["model_dir"]))
+    import tasks.prepare_model as pm
+    from tasks.config import ModelArgs
+
+    # hashing 16 GB of random weights costs ~30 s and proves nothing here: fingerprint by name and size
+    pm.model_fingerprint = lambda source, revision, only=None: {
+        "files": sorted((p.name, p.stat().st_size) for p in Path(source).iterdir())}
+    t = time.time()
+    folder = pm.prepare_model.fn(ModelArgs(base_model=spec["model_dir"]), Path(spec["runs_dir"]))
+    return {"model_dir_4bit": folder, "build_s": round(made, 1), "prepare_model_s": round(time.time() - t, 1)}
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    if (folder / "tokenizer.json").exists():
+        return
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                                   pad_token="t0")
+    fast.save_pretrained(folder)
+
+
+def _cap(gib: float) -> None:
+    import torch
+
+    if gib:
+        torch.cuda.set_per_process_memory_fraction(gib * GIB / torch.cuda.get_device_properties(0).total_memory)
+
+
+def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
+    """train_adapter's model and Trainer; several runs (TrainArgs overrides) on one loaded model."""
+    import torch
+
+    _cap(spec.get("cap_gib", 0))
+    from tasks import train_adapter as ta
+    from tasks.batches import ParquetExamples
+    from tasks.config import LoraArgs, TrainArgs
+
+    model_dir = Path(spec["model_dir_4bit"])
+    base = {"learning_rate": 2e-4, "logging_steps": 1, "save_steps": 10**6, "warmup_steps": 0,
+            **spec.get("train", {})}
+    t = time.time()
+    model = ta._peft_model(model_dir, LoraArgs(**spec.get("lora", {})), TrainArgs(**base))
+    out: dict[str, Any] = {"load_s": round(time.time() - t, 1), "runs": [],
+                           "model_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 2)
+                           if torch.cuda.is_available() else None}
+    for i, run in enumerate(spec["runs"]):
+        train = TrainArgs(**{**base, **run.get("train", {})})
+        data = Path(spec["work"]) / f"data-{spec['name']}-{i}" / "train.parquet"
+        lens = [run["fixed"]] * run["n"] if run.get("fixed") else lengths(run["n"], spec["seq"])
+        rows = token_rows(lens, spec.get("vocab", VOCAB))
+        examples = ParquetExamples(write_examples(data, rows))
+        res: dict[str, Any] = {"name": run.get("name", str(i)), "train": run.get("train", {})}
+        try:
+            res.update(_train_once(model, examples, train, data.parent, model_dir, run))
+        except torch.OutOfMemoryError as exc:
+            res.update(oom=True, error=str(exc).splitlines()[0][:200])
+        print("RUN " + json.dumps(res), flush=True)
+        out["runs"].append(res)
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if res.get("oom") and run.get("stop_on_oom"):
+            break
+    return out
+
+
+def _train_once(model: Any, examples: Any, train: Any, out: Path, model_dir: Path, run: dict[str, Any]
+                ) -> dict[str, Any]:
+    import torch
+    from transformers import TrainerCallback
+
+    from tasks import train_adapter as ta
+
+    trainer = ta._trainer(model, examples, train, out, model_dir)
+    collator = trainer.data_collator
+    res: dict[str, Any] = {}
+    if run.get("loss_check"):
+        res["loss_check"] = _pipeline_loss(model, collator, examples, run["loss_check"])
+    marks: list[tuple[float, int]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            _sync()
+            marks.append((time.perf_counter(), collator.real_tokens))
+
+    trainer.add_callback(Clock())
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    result = trainer.train()
+    res.update(steps=len(marks), train_loss=round(result.training_loss, 4),
+               losses=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
+               mean_len=round(sum(map(len, examples.input_ids)) / len(examples), 1),
+               packs=len(trainer.train_dataset), batches=getattr(collator, "choice", None), **_peaks())
+    if len(marks) >= 3:  # time from the end of the 2nd optimizer step (warm-up) to the end of the last
+        (t0, k0), (t1, k1) = marks[1], marks[-1]
+        res.update(timed_steps=len(marks) - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))
+    if run.get("profile"):
+        res["profile"] = _profile(model, collator, examples, run["profile"])
+    del trainer
+    return res
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peaks() -> dict[str, float]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2)}
+
+
+def _autocast() -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if torch.cuda.is_available() else contextlib.nullcontext()
+
+
+def _batch(collator: Any, examples: Any, idx: list[int]) -> dict[str, Any]:
+    import torch
+
+    if type(collator).__name__ == "pack_collator":
+        batch = collator([{"input_ids": [examples[i]["input_ids"] for i in idx],
+                           "labels": [examples[i]["labels"] for i in idx]}])
+    else:
+        batch = collator([examples[i] for i in idx])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _pipeline_loss(model: Any, collator: Any, examples: Any, k: int) -> dict[str, Any]:
+    """Per-token loss of the first k examples through the training forward, before any update."""
+    import torch
+
+    model.train()
+    sums, count = 0.0, 0
+    with torch.no_grad(), _autocast():
+        for start in range(0, k, 8):
+            idx = list(range(start, min(k, start + 8)))
+            batch = _batch(collator, examples, idx)
+            n = int(batch["labels"][..., 1:].ne(-100).sum())
+            sums += float(model(**batch).loss) * n
+            count += n
+    return {"examples": k, "tokens": count, "per_token_loss": sums / count}
+
+
+def _profile(model: Any, collator: Any, examples: Any, tokens: int) -> str:
+    """CPU and CUDA time of one forward+backward micro-step of about `tokens` real tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    idx, total = [], 0
+    for i in range(len(examples)):
+        if total + len(examples.input_ids[i]) > tokens:
+            break
+        idx.append(i)
+        total += len(examples.input_ids[i])
+    batch = _batch(collator, examples, idx)
+    model.train()
+
+    def step() -> None:
+        with _autocast():
+            loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    _sync()
+    t = time.perf_counter()
+    step()
+    _sync()
+    wall = time.perf_counter() - t
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    ka = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in ka) / 1e3
+    head = f"profile: {total} tokens, one micro-step {wall * 1e3:.0f} ms wall, {gpu_ms:.0f} ms self CUDA time\n"
+    return (head + ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=50)
+            + ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+
+
+def worker_refloss(spec: dict[str, Any]) -> dict[str, Any]:
+    """The reference recipe's per-token loss (upcast, LoRA q/k/v/o, micro-batch 1) on the pipeline's 4-bit weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from tasks.runtime import load_quantized
+
+    model = prepare_model_for_kbit_training(load_quantized(Path(spec["model_dir_4bit"])),
+                                            use_gradient_checkpointing=True)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).train()
+    rows = token_rows(lengths(spec["n"], spec["seq"]), spec.get("vocab", VOCAB))[: spec["k"]]
+    sums, count = 0.0, 0
+    with torch.no_grad(), _autocast():
+        for ids in rows:
+            x = torch.tensor([ids], device=model.device)
+            sums += float(model(input_ids=x, labels=x).loss) * (len(ids) - 1)
+            count += len(ids) - 1
+    return {"examples": len(rows), "tokens": count, "per_token_loss": sums / count}
+
+
+WORKERS = {"build": worker_build, "pipeline": worker_pipeline, "refloss": worker_refloss}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Orchestration
+# --------------------------------------------------------------------------------------------------------------
+
+class Runner:
+    """Starts subprocesses, keeps their output for the log, returns their last RESULT line."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: int = 900,
+            cwd: str | None = None) -> dict[str, Any]:
+        t = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+            text, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            text, code = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT after {timeout}s", -1
+        seconds = time.time() - t
+        with self.log.open("a") as f:
+            f.write(f"\n===== {name} ({seconds:.0f}s, exit {code}): {' '.join(cmd)[:400]}\n{_trim(text)}\n")
+        result = None
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+        out = result if isinstance(result, dict) else {"error": f"no RESULT (exit {code})",
+                                                       "tail": text.strip().splitlines()[-3:]}
+        out["wall_s"] = round(seconds, 1)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(out)[:600]}", flush=True)
+        return out
+
+
+def _trim(text: str, keep: int = 30000) -> str:
+    noise = ("Loading weights", "it/s]", "warnings.warn")
+    lines = [ln for ln in text.splitlines() if not any(n in ln for n in noise)]
+    text = "\n".join(lines)
+    return text if len(text) <= keep else text[:keep // 3] + "\n...\n" + text[-2 * keep // 3:]
+
+
+def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]
+
+
+def pipeline_runs(a: argparse.Namespace, n: int) -> list[dict[str, Any]]:
+    return [{"name": "default", "n": n, "train": {"max_steps": a.steps + 2}, "loss_check": a.loss_examples}]
+
+
+def max_seq_runs(ladder: list[int], train: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": f"seq{s}", "n": 2, "fixed": s, "stop_on_oom": True,
+             "train": {"max_steps": 1, "max_tokens_per_batch": s, **train}} for s in ladder]
+
+
+def longest_fit(runs: list[dict[str, Any]]) -> int | None:
+    fits = [int(r["name"].removeprefix("seq")) for r in runs if not r.get("oom") and not r.get("error")]
+    return max(fits) if fits else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--shared", default=".shared_bench", help="folder with reference_recipe.py, unsloth_probe.py")
+    ap.add_argument("--model-dir", default="/tmp/llama8b")
+    ap.add_argument("--work", default="/tmp/qlora-bench")
+    ap.add_argument("--seq", type=int, default=2048, help="lengths are cut at this many tokens")
+    ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps, after 2 warm-up steps")
+    ap.add_argument("--loss-examples", type=int, default=32)
+    ap.add_argument("--unsloth-site", default="", help="PYTHONPATH holding Unsloth's wheels; empty = skip (c)")
+    ap.add_argument("--unsloth-bs", type=int, default=2)
+    ap.add_argument("--unsloth-ga", type=int, default=4)
+    ap.add_argument("--reference-ga", type=int, default=4)
+    ap.add_argument("--pipeline-ladder", default="32768,65536,98304,131072")
+    ap.add_argument("--reference-ladder", default="2048,4096")
+    ap.add_argument("--unsloth-ladder", default="32768,65536")
+    ap.add_argument("--sweep", default="", help="JSON list of extra pipeline workers {name, lora, train, runs}")
+    ap.add_argument("--skip", default="", help="comma list of: reference, unsloth, caps, pipeline")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-bench"))
+    a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(WORKERS[a.worker](json.loads(a.spec))), flush=True)
+        return
+
+    skip = set(filter(None, a.skip.split(",")))
+    logs = Path(a.logs)
+    runner = Runner(logs / "bench.log")
+    shared = str(Path(a.shared).resolve())
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+                              "seq": a.seq, "versions": _versions(), "gpu": _gpu()}
+    work = Path(a.work)
+    build = runner.run("build", worker_cmd("build", {"shared": shared, "model_dir": a.model_dir,
+                                                     "runs_dir": str(work / "runs")}), timeout=900)
+    result["build"] = build
+    four = build["model_dir_4bit"]
+    lens = lengths(4000, a.seq)
+    mean_len = sum(lens) / len(lens)
+    result["data"] = {"lengths": f"lognormal median 250 sigma 0.8, min 16, cut at {a.seq}, seed 0",
+                      "mean_len_4000": round(mean_len, 1)}
+    base = {"model_dir_4bit": four, "work": str(work), "seq": a.seq}
+
+    if "pipeline" not in skip:
+        spec = {**base, "name": "pipeline", "runs": pipeline_runs(a, 4000)}
+        result["pipeline_run"] = runner.run("pipeline", worker_cmd("pipeline", spec))
+    for extra in json.loads(a.sweep or "[]"):
+        spec = {**base, "name": extra["name"], "lora": extra.get("lora", {}), "train": extra.get("train", {}),
+                "runs": extra["runs"]}
+        result.setdefault("sweep", {})[extra["name"]] = runner.run(f"sweep {extra['name']}",
+                                                                   worker_cmd("pipeline", spec))
+    if "reference" not in skip:
+        cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, str(a.seq), "--lengths", "dolly",
+               "--ga", str(a.reference_ga), "--steps", str(a.steps)]
+        result["reference_run"] = runner.run("reference", cmd, env=env)
+    uns_env = None
+    if a.unsloth_site and "unsloth" not in skip:
+        uns_env = {**env, "PYTHONPATH": a.unsloth_site, "HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
+        cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, str(a.seq), str(a.unsloth_bs),
+               str(a.unsloth_ga), "--packing", "--targets", "all", "--steps", str(max(2, a.steps // 2))]
+        Path("/tmp/unsloth-cwd").mkdir(exist_ok=True)
+        result["unsloth_run"] = runner.run("unsloth", cmd, env=uns_env, cwd="/tmp/unsloth-cwd")
+
+    if "caps" not in skip:  # untimed probes, side by side
+        jobs: dict[str, Any] = {}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            ladder = [int(s) for s in a.pipeline_ladder.split(",") if s]
+            spec = {**base, "name": "cap", "cap_gib": 16, "runs": max_seq_runs(ladder, {})}
+            jobs["pipeline_cap"] = pool.submit(runner.run, "pipeline cap 16 GiB", worker_cmd("pipeline", spec))
+            spec = {**base, "n": 4000, "k": a.loss_examples}
+            jobs["refloss"] = pool.submit(runner.run, "reference loss", worker_cmd("refloss", spec))
+            if "reference" not in skip:
+                for s in filter(None, a.reference_ladder.split(",")):
+                    cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, s, "--lengths", "fixed",
+                           "--ga", "1", "--steps", "1", "--cap-gib", "16"]
+                    jobs[f"reference_cap_{s}"] = pool.submit(runner.run, f"reference cap {s}", cmd, env)
+            if uns_env:
+                for s in filter(None, a.unsloth_ladder.split(",")):
+                    cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, s, "1", "1", "--fixed",
+                           "--targets", "all", "--steps", "1", "--cap-gib", "16"]
+                    jobs[f"unsloth_cap_{s}"] = pool.submit(runner.run, f"unsloth cap {s}", cmd, uns_env,
+                                                           900, "/tmp/unsloth-cwd")
+        result.update({k: f.result() for k, f in jobs.items()})
+
+    summary = summarize(result, mean_len, a)
+    result = {**summary, "raw": result}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['date']}-h200.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    (logs / path.name).write_text(path.read_text())
+    print(table(summary))
+    print(f"wrote {path}")
+
+
+def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict[str, Any]:
+    """The issue's fields: reference.*, pipeline.*, unsloth.* with GPU, versions, date, command."""
+    def per_1000(tps: float | None) -> float | None:
+        return round(1000 * mean_len / tps, 1) if tps else None
+
+    s: dict[str, Any] = {k: r[k] for k in ("date", "command", "gpu", "versions", "data")}
+    ref, uns = r.get("reference_run", {}), r.get("unsloth_run", {})
+    caps = {k: v for k, v in r.items() if "_cap_" in k}
+    if ref:
+        fits = [int(k.rsplit("_", 1)[1]) for k, v in caps.items() if k.startswith("reference_cap") and
+                not v.get("oom") and "error" not in v]
+        s["reference"] = {"real_tokens_per_s": ref.get("real_tokens_per_s"),
+                          "seconds_per_1000_examples": per_1000(ref.get("real_tokens_per_s")),
+                          "peak_allocated_gib": ref.get("train_peak_alloc_gib"),
+                          "peak_reserved_gib": ref.get("train_peak_reserved_gib"),
+                          "max_seq_under_16gib": max(fits) if fits else None,
+                          "tried_under_16gib": a.reference_ladder, "losses": ref.get("losses"),
+                          "setup": f"reference_recipe.py, q/k/v/o, micro-batch 1 x {a.reference_ga}"}
+    pipe = (r.get("pipeline_run", {}).get("runs") or [{}])[0]
+    if pipe:
+        ref_loss = r.get("refloss", {}).get("per_token_loss")
+        pl = (pipe.get("loss_check") or {}).get("per_token_loss")
+        s["pipeline"] = {"real_tokens_per_s": pipe.get("real_tokens_per_s"),
+                         "seconds_per_1000_examples": per_1000(pipe.get("real_tokens_per_s")),
+                         "peak_allocated_gib": pipe.get("peak_allocated_gib"),
+                         "peak_reserved_gib": pipe.get("peak_reserved_gib"),
+                         "max_seq_under_16gib": longest_fit(r.get("pipeline_cap", {}).get("runs", [])),
+                         "tried_under_16gib": a.pipeline_ladder,
+                         "per_token_loss": pl, "reference_per_token_loss": ref_loss,
+                         "loss_rel_diff": abs(pl - ref_loss) / ref_loss if pl and ref_loss else None,
+                         "losses": pipe.get("losses"), "max_tokens_per_batch": pipe.get("max_tokens_per_batch"),
+                         "setup": "train_adapter defaults (LoRA r=16 on all 7 projections)"}
+    if uns:
+        fits = [int(k.rsplit("_", 1)[1]) for k, v in caps.items() if k.startswith("unsloth_cap") and
+                not v.get("oom") and "error" not in v]
+        s["unsloth"] = {"real_tokens_per_s": uns.get("real_tokens_per_s"),
+                        "seconds_per_1000_examples": per_1000(uns.get("real_tokens_per_s")),
+                        "peak_allocated_gib": uns.get("peak_alloc_gib"),
+                        "peak_reserved_gib": uns.get("peak_reserved_gib"),
+                        "max_seq_under_16gib": max(fits) if fits else None, "tried_under_16gib": a.unsloth_ladder,
+                        "losses": uns.get("losses"),
+                        "setup": f"unsloth_probe.py --packing, all 7, micro-batch {a.unsloth_bs} x {a.unsloth_ga}"}
+    return s
+
+
+def table(s: dict[str, Any]) -> str:
+    rows = ["| | real tokens/s | s per 1,000 examples | peak allocated GiB | peak reserved GiB "
+            "| longest seq under 16 GiB |",
+            "|---|---|---|---|---|---|"]
+    for tool in ("reference", "pipeline", "unsloth"):
+        if tool in s:
+            t = s[tool]
+            rows.append(f"| {tool} | {t['real_tokens_per_s']} | {t['seconds_per_1000_examples']} | "
+                        f"{t['peak_allocated_gib']} | {t['peak_reserved_gib']} | {t['max_seq_under_16gib']} |")
+    if "pipeline" in s:
+        rows.append(f"\npipeline loss_rel_diff vs reference: {s['pipeline']['loss_rel_diff']}")
+    return "\n".join(rows)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel", "triton"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _gpu() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Speed and memory levers of train_adapter, each a TrainArgs option (see its descriptions).
+
+- Padding-free packing: a micro-batch is one row of whole examples with per-example position ids. On a
+  CUDA GPU attention runs as flash varlen attention over the examples' boundaries (torch's varlen_attn);
+  elsewhere transformers' sdpa builds a block-diagonal causal mask from the position ids. Either way no
+  example attends to another.
+- A fused, chunked linear + cross-entropy: the loss and its gradient are computed from the hidden states
+  a few hundred rows at a time, so the (tokens x vocabulary) float32 logits never exist at once.
+- Activation checkpointing whose saved layer inputs can live in pinned CPU memory (offload).
+- Liger kernels (RMSNorm, SwiGLU, RoPE) when liger-kernel is installed and a GPU is present.
+- A micro-batch size in tokens from a GPU memory budget.
+Everything here also runs on CPU, where the GPU-only parts step aside, so the CPU tests cover it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from tasks.log import logger
+
+if TYPE_CHECKING:
+    import torch
+
+VARLEN = "qlora_varlen"  # attention implementation name registered with transformers
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed attention
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _varlen_fn() -> Any:
+    """torch's flash varlen attention with causal masking, or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in params
+
+
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None
+                       ) -> torch.Tensor:
+    """(T, H, D) attention, causal within each [cu[i], cu[i+1]) segment: the portable path."""
+    import torch.nn.functional as F  # noqa: N812
+
+    out = []
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return __import__("torch").cat(out)
+
+
+def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: varlen attention over cu_seq_lens_q when given, else sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (1, H, T, D) -> (T, H, D)
+    fn = _varlen_fn() if q.is_cuda else None
+    if fn is None:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _segment_attention(q, k, v, cu.tolist(), scaling).unsqueeze(0), None
+    varlen, gqa = fn
+    if not gqa and k.shape[1] != q.shape[1]:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    extra = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+    max_len = int(kwargs.get("max_length_q") or q.shape[0])
+    out = varlen(q, k, v, cu, cu, max_len, max_len, scale=scaling, **extra)
+    return out.unsqueeze(0), None
+
+
+def use_packed_attention(model: Any) -> str:
+    """Route the model's attention through packed_attention; returns the implementation now in use."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if not (torch.cuda.is_available() and _varlen_fn() is not None):
+        return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
+    AttentionInterface.register(VARLEN, packed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
+    model.set_attn_implementation(VARLEN)
+    return VARLEN
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused linear + cross-entropy
+# ---------------------------------------------------------------------------------------------------------------
+
+def _chunk_rows(rows: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk so that a chunk's logits are about the size of all the hidden states (>= 256 rows)."""
+    return max(256, min(8192, -(-rows * hidden // vocab)))
+
+
+def _linear_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of (hidden @ weight.T) against labels (all valid), and its gradient w.r.t. hidden."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad = torch.empty_like(hidden) if want_grad else None
+    chunk = _chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        logits = (h @ weight.t()).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+        if grad is not None:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            probs.scatter_add_(1, y[:, None], torch.full_like(lse, -1.0)[:, None])
+            grad[start:start + chunk] = probs.to(weight.dtype) @ weight
+    return total, grad
+
+
+class LinearCrossEntropy:
+    """loss = sum over labelled rows of CE(hidden @ weight.T, label) / divisor; weight is frozen."""
+
+    @staticmethod
+    def apply(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: Any) -> torch.Tensor:
+        return _function().apply(hidden, weight, labels, divisor)
+
+
+@functools.cache
+def _function() -> Any:
+    import torch
+
+    class _LinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: Any
+                    ) -> torch.Tensor:
+            rows = (labels != -100).nonzero().squeeze(1)
+            picked = hidden.index_select(0, rows)
+            if picked.dtype != weight.dtype:  # autocast does not reach inside a custom Function's matmuls
+                picked = picked.to(weight.dtype)
+            total, grad = _linear_ce_forward(picked, weight, labels.index_select(0, rows), hidden.requires_grad)
+            ctx.shape, ctx.dtype, ctx.divisor = hidden.shape, hidden.dtype, divisor
+            ctx.save_for_backward(rows, grad if grad is not None else rows.new_empty(0))
+            return total / divisor
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+            rows, grad = ctx.saved_tensors
+            full = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+            full.index_copy_(0, rows, (grad * (grad_out / ctx.divisor)).to(ctx.dtype))
+            return full, None, None, None
+
+    return _LinearCrossEntropy
+
+
+def use_fused_loss(causal_lm: Any) -> bool:
+    """Replace a causal LM's forward (with labels) by hidden states + LinearCrossEntropy; False if not possible."""
+    import torch
+
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or getattr(head, "bias", None) is not None or not hasattr(causal_lm, "model"):
+        return False  # a LoRA-wrapped or biased lm_head keeps transformers' own loss
+    original = causal_lm.forward
+
+    def forward(input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, labels: Any = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if labels is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        kwargs.pop("use_cache", None)
+        out = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, **kwargs)
+        hidden = out.last_hidden_state[:, :-1].reshape(-1, out.last_hidden_state.shape[-1])
+        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+        divisor = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum().clamp(min=1)
+        if isinstance(divisor, torch.Tensor):
+            divisor = divisor.to(hidden.device)
+        loss = LinearCrossEntropy.apply(hidden, head.weight, targets, divisor)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    causal_lm.forward = forward
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation checkpointing, optionally offloaded to pinned CPU memory
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _offload_function() -> Any:
+    import torch
+
+    class _OffloadedCheckpoint(torch.autograd.Function):
+        """Runs a layer without keeping its activations; keeps only its input, in pinned CPU memory on a GPU."""
+
+        @staticmethod
+        def forward(ctx: Any, run: Any, hidden: torch.Tensor) -> torch.Tensor:
+            ctx.run, ctx.device = run, hidden.device
+            ctx.autocast = (torch.is_autocast_enabled(hidden.device.type),
+                            torch.get_autocast_dtype(hidden.device.type))
+            ctx.rng = torch.get_rng_state(), (torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None)
+            if hidden.is_cuda:
+                stream = _copy_stream(hidden.device)
+                stream.wait_stream(torch.cuda.current_stream(hidden.device))
+                saved = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+                with torch.cuda.stream(stream):
+                    saved.copy_(hidden, non_blocking=True)
+                hidden.record_stream(stream)
+                ctx.copied = torch.cuda.Event()
+                ctx.copied.record(stream)
+            else:
+                saved, ctx.copied = hidden.detach(), None
+            ctx.saved = saved
+            out = run(hidden)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"offloaded checkpointing needs a layer that returns a tensor, got {type(out)}")
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+            if ctx.copied is not None:
+                torch.cuda.current_stream(ctx.device).wait_event(ctx.copied)
+            hidden = ctx.saved.to(ctx.device, non_blocking=True).detach().requires_grad_(True)
+            ctx.saved = None
+            cpu_rng, cuda_rng = ctx.rng
+            devices = [ctx.device] if cuda_rng is not None else []
+            with torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, ctx.device)
+                with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=ctx.autocast[0],
+                                                         dtype=ctx.autocast[1]):
+                    out = ctx.run(hidden)
+            torch.autograd.backward(out, grad_out)
+            return None, hidden.grad
+
+    return _OffloadedCheckpoint
+
+
+@functools.cache
+def _copy_stream(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.Stream(device)
+
+
+def offloaded_checkpoint(function: Any, *args: Any, **_: Any) -> Any:
+    """A drop-in for torch.utils.checkpoint.checkpoint over a decoder layer's forward(hidden_states)."""
+    hidden, *rest = args
+    run = functools.partial(_call_with_rest, function, rest) if rest else function
+    return _offload_function().apply(run, hidden)
+
+
+def _call_with_rest(function: Any, rest: list[Any], hidden: Any) -> Any:
+    return function(hidden, *rest)
+
+
+def enable_checkpointing(model: Any, offload: bool) -> None:
+    """Checkpoint every decoder layer; with offload, keep the saved inputs in pinned CPU memory."""
+    import torch.utils.checkpoint
+
+    if offload:
+        func = offloaded_checkpoint
+    else:
+        func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    model.enable_input_require_grads()  # frozen embeddings: the first layer's input must carry a gradient
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Liger kernels and the micro-batch size
+# ---------------------------------------------------------------------------------------------------------------
+
+def apply_liger(model: Any, wanted: bool | None) -> bool:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels (the loss is ours); None = where installed and on a GPU."""
+    import importlib.util
+
+    import torch
+
+    if wanted is False or not torch.cuda.is_available():
+        return False
+    if importlib.util.find_spec("liger_kernel") is None:
+        if wanted:
+            logger().warning("train_adapter: train.use_liger_kernel is set but liger-kernel is not installed "
+                             "(pip install 'qlora-pipeline[gpu]'); training without it")
+        return False
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    return True
+
+
+def bytes_per_token(config: Any, offload: bool) -> int:
+    """GPU bytes one micro-batch token costs in training (measured on an H200, Llama-3.1-8B shape, bf16)."""
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers
+    working = 2 * (8 * hidden + 4 * config.intermediate_size)  # one layer's recompute and backward, bf16
+    saved = 0 if offload else 2 * hidden * layers  # checkpointed layer inputs, bf16
+    return working + saved
+
+
+def micro_batch_tokens(budget_gb: float, used_bytes: int, config: Any, offload: bool, floor: int) -> int:
+    """Tokens per packed micro-batch that fit the GPU memory budget next to what is already allocated."""
+    spare = budget_gb * GIB - used_bytes - 0.5 * GIB  # CUDA context, allocator slack, optimizer state
+    tokens = int(spare // bytes_per_token(config, offload)) // 256 * 256
+    return max(tokens, floor)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What train_adapter calls
+# ---------------------------------------------------------------------------------------------------------------
+
+OWN_FIELDS = ("packing", "max_tokens_per_batch", "gpu_memory_budget_gb", "offload_activations",
+              "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel")  # TrainArgs fields not Trainer's
+
+
+def trainer_settings(train: Any) -> dict[str, Any]:
+    """TrainArgs as TrainingArguments keywords: our own fields out, checkpointing left to enable_checkpointing."""
+    settings = train.model_dump(exclude=set(OWN_FIELDS))
+    settings["gradient_checkpointing"] = False  # the Trainer would replace our checkpoint function with its own
+    if train.packing:
+        settings["per_device_train_batch_size"] = 1  # one pack per micro-batch; its size is set in tokens
+    return settings
+
+
+def prepare_base(model: Any, train: Any) -> list[str]:
+    """Before LoRA wraps the model: Liger kernels, packed attention, fused loss. Returns what was applied."""
+    applied = []
+    model.config.use_cache = False  # with a cache, transformers ignores packed position ids when masking
+    if apply_liger(model, train.use_liger_kernel):
+        applied.append("liger")
+    if train.packing:
+        applied.append(f"packed attention ({use_packed_attention(model)})")
+    if train.fused_cross_entropy and use_fused_loss(model):
+        applied.append("fused cross-entropy")
+    return applied
+
+
+LAST_CHOICE: dict[str, Any] = {}  # the latest training_batches choice, for the out-of-memory back-off
+
+
+def smaller_packs(train: Any, exc: BaseException) -> Any:
+    """Half the packed micro-batch's tokens and twice the accumulation: about the same tokens per step."""
+    from tasks.errors import UserError
+
+    tokens = train.max_tokens_per_batch or LAST_CHOICE.get("max_tokens_per_batch")
+    if not tokens or tokens <= 512:
+        raise UserError(
+            f"train_adapter ran out of GPU memory with packed micro-batches of {tokens} tokens. Lower "
+            "data.max_seq_length, lora.r or the number of lora.target_modules, set train.offload_activations, "
+            f"or use a GPU with more memory. ({exc})"
+        ) from exc
+    smaller = max(512, tokens // 2 // 256 * 256)
+    logger().warning("train_adapter: out of memory with %d-token micro-batches; retrying from the latest "
+                     "checkpoint with %d tokens x %d accumulation", tokens, smaller,
+                     train.gradient_accumulation_steps * 2)
+    return train.model_copy(update={"max_tokens_per_batch": smaller,
+                                    "gradient_accumulation_steps": train.gradient_accumulation_steps * 2})
+
+
+def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The Trainer's dataset and collator, after choosing the packed micro-batch size and activation offload for
+    this device, and enabling checkpointing. Returns them with a record of the choices."""
+    import torch
+
+    from tasks.batches import PackedExamples, pack_collator, pad_collator
+
+    lengths = [len(ids) for ids in examples.input_ids]
+    longest = max(lengths, default=1)
+    offload = bool(train.offload_activations)
+    tokens = train.max_tokens_per_batch
+    cuda = torch.cuda.is_available()
+    if train.packing and tokens is None and cuda:
+        config, used = model.config, torch.cuda.memory_allocated()
+        tokens = micro_batch_tokens(train.gpu_memory_budget_gb, used, config, offload, 0)
+        if train.offload_activations is None and tokens < longest and train.gradient_checkpointing:
+            offload = True
+            tokens = micro_batch_tokens(train.gpu_memory_budget_gb, used, config, offload, 0)
+        tokens = max(tokens, min(longest, 1024))
+    choice = {"packing": train.packing, "offload_activations": offload and train.gradient_checkpointing,
+              "max_tokens_per_batch": tokens if train.packing else None}
+    if train.gradient_checkpointing:
+        enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
+    if not train.packing:
+        collator = pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1)
+        collator.choice = choice
+        return examples, collator, choice
+    per_pack = None if tokens is not None else train.per_device_train_batch_size
+    packs = PackedExamples(examples, tokens, per_pack, train.seed)
+    choice["packs"] = len(packs)
+    LAST_CHOICE.clear()
+    LAST_CHOICE.update(choice)
+    collator = pack_collator()
+    collator.choice = choice
+    return packs, collator, choice

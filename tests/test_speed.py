@@ -1,0 +1,169 @@
+"""The speed levers of train_adapter keep the maths: packing, fused cross-entropy, offloaded checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tasks.batches import PackedExamples, pack_collator, plan_packs
+from tasks.config import EMBEDDED_MODEL
+
+torch = pytest.importorskip("torch")
+
+
+class _Examples:
+    def __init__(self, input_ids: list[list[int]]) -> None:
+        self.input_ids, self.labels = input_ids, [list(x) for x in input_ids]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
+
+
+def _examples(lengths: list[int], vocab: int = 1024, seed: int = 0) -> _Examples:
+    g = torch.Generator().manual_seed(seed)
+    return _Examples([torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths])
+
+
+def _tiny(attn: str = "sdpa") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False  # as in training: with a cache, transformers does not mask packed rows
+    return model.eval()
+
+
+def _per_example_loss_unpacked(model: Any, examples: _Examples) -> torch.Tensor:
+    sums = []
+    with torch.no_grad():
+        for ids in examples.input_ids:
+            x = torch.tensor([ids])
+            sums.append(model(input_ids=x, labels=x).loss * (len(ids) - 1))
+    return torch.stack(sums)
+
+
+def _per_example_loss_packed(model: Any, examples: _Examples) -> torch.Tensor:
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       cu_seq_lens_q=batch["cu_seq_lens_q"], cu_seq_lens_k=batch["cu_seq_lens_k"],
+                       max_length_q=batch["max_length_q"], max_length_k=batch["max_length_k"]).logits[0]
+    labels = batch["labels"][0]
+    token_loss = torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100,
+                                                   reduction="none")
+    owner = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor([len(x) for x in examples.input_ids]))
+    return torch.zeros(len(examples)).index_add_(0, owner[1:], token_loss)
+
+
+def test_plan_packs_respects_limits_and_keeps_every_example_once() -> None:
+    lengths = [5, 300, 40, 40, 700, 12, 90, 1, 250]
+    packs = plan_packs(lengths, max_tokens=400, max_examples=None, seed=3)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= 400 or len(p) == 1 for p in packs)
+    by_count = plan_packs(lengths, max_tokens=None, max_examples=4, seed=3)
+    assert [len(p) for p in by_count] == [4, 4, 1]
+    assert plan_packs(lengths, 400, None, seed=3) == packs  # deterministic for a seed
+
+
+def test_pack_collator_masks_boundaries_and_restarts_positions() -> None:
+    batch = pack_collator()([{"input_ids": [[5, 6, 7], [8, 9]], "labels": [[5, 6, 7], [-100, 9]]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # 8 would be predicted from example 1's last token
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5] and batch["max_length_q"] == 3
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "packed_attention"])
+def test_packed_rows_give_each_example_its_unpacked_loss(attention: str) -> None:
+    """No example attends to another: per-example losses in one packed row equal those run one by one."""
+    from transformers import AttentionInterface
+
+    from tasks import speed
+
+    model = _tiny()
+    examples = _examples([17, 64, 3, 120, 40])
+    expected = _per_example_loss_unpacked(model, examples)
+    if attention == "packed_attention":  # the GPU path's function, on its CPU fallback
+        AttentionInterface.register(speed.VARLEN, speed.packed_attention)
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(speed.VARLEN, lambda *a, **k: None)
+        model.set_attn_implementation(speed.VARLEN)
+    packed = _per_example_loss_packed(model, examples)
+    torch.testing.assert_close(packed, expected, rtol=1e-4, atol=1e-4)
+    # and packing really mixes rows: a mask that lets examples see each other changes the losses
+    crossed = _tiny()
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    with torch.no_grad():
+        leaky = crossed(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # plain causal over the row
+        fair = crossed(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
+    assert abs(leaky - fair) > 1e-3
+    torch.testing.assert_close(fair * batch["labels"][0, 1:].ne(-100).sum(), expected.sum(), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_cross_entropy_matches_transformers_loss_and_gradients() -> None:
+    from tasks import speed
+
+    examples = _examples([30, 50, 9])
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    results = []
+    for fused in (False, True):
+        model = _tiny().train()
+        if fused:
+            assert speed.use_fused_loss(model)
+        loss = model(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from tasks import speed
+
+    examples = _examples([30, 50, 9])
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    grads = []
+    for mode in ("none", "checkpoint", "offload"):
+        torch.manual_seed(1)
+        base = _tiny()
+        if mode != "none":
+            speed.enable_checkpointing(base, offload=mode == "offload")
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "down_proj"],
+                          init_lora_weights="gaussian")
+        model = get_peft_model(base, lora).train()
+        torch.manual_seed(2)
+        model(**inputs).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    for other in grads[1:]:
+        assert other.keys() == grads[0].keys()
+        for name in grads[0]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_examples_by_count_on_cpu() -> None:
+    examples = _examples([10, 20, 30, 40, 50])
+    packs = PackedExamples(examples, max_tokens=None, max_examples=2, seed=0)
+    assert len(packs) == 3 and sum(len(p["input_ids"]) for p in (packs[i] for i in range(3))) == 5
+
+
+def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.batches import ParquetExamples
+
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7]], "labels": [[-100, 2, 3, -100, 5], [-100, 7]],
+                             "position_ids": [[0, 1, 2, 0, 1], [0, 1]], "seq_lengths": [[3, 2], [2]]}),
+                   tmp_path / "train.parquet")
+    examples = ParquetExamples(tmp_path / "train.parquet")
+    assert examples.input_ids == [[1, 2, 3], [4, 5], [6, 7]]
+    assert examples.labels == [[-100, 2, 3], [-100, 5], [-100, 7]]

@@ -108,8 +108,8 @@ def data_files(source: str) -> tuple[Any, list[str]]:
                             f"use one of {', '.join(SUFFIXES)}.")
         paths = [path]
     else:
-        raise UserError(f"data.source={source!r}: no such file or folder. Give a {'/'.join(SUFFIXES)} file, a "
-                        "folder or glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
+        raise UserError(f"data.source={source!r}: no such file. Give a {'/'.join(SUFFIXES)} file, a folder or "
+                        "glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
     paths = sorted(p for p in paths if p.endswith(SUFFIXES))
     if not paths:
         raise UserError(f"data.source={source!r} matched no {'/'.join(SUFFIXES)} files.")

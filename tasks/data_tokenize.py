@@ -36,6 +36,29 @@ class Settings:
     completion_only: bool
     max_len: int
     chat_template: str | None  # Jinja text for chat; None = the tokenizer's own
+    prefix: list[int]  # special tokens before each example (BOS); none for chat: templates write their own
+    eos: list[int]
+    eos_text: str
+    backend_json: str | None  # the fast tokenizer as loaded here, so workers need not import transformers
+
+
+def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], completion_only: bool,
+                  max_len: int, chat_template: str | None) -> Settings:
+    """Settings for this tokenizer and format; loads the tokenizer into this process too."""
+    from tasks.runtime import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    probe = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(probe)) if probe[i:i + len(plain)] == plain)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    settings = Settings(
+        str(tokenizer_dir), fmt, column_mapping, completion_only, max_len, chat_template,
+        prefix=[] if fmt == "chat" else probe[:at],
+        eos=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+        eos_text=tokenizer.eos_token or "\x00", backend_json=backend.to_str() if backend is not None else None)
+    _STATE.update(settings=settings, tokenizer=tokenizer, backend=backend)
+    return settings
 
 
 @dataclass
@@ -57,22 +80,20 @@ class Tokenized:
 _STATE: dict[str, Any] = {}
 
 
-def init(settings: Settings, worker: bool = False) -> None:
-    """Load the tokenizer once per process."""
-    if worker:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
-    from tasks.runtime import load_tokenizer
+def init(settings: Settings) -> None:
+    """Load the tokenizer once per worker process."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+    tokenizer = backend = None
+    if settings.fmt == "chat" or settings.backend_json is None:  # needs transformers: chat templates, slow tokenizers
+        from tasks.runtime import load_tokenizer
 
-    tokenizer = load_tokenizer(settings.tokenizer_dir)
-    probe = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    at = next(i for i in range(len(probe)) if probe[i:i + len(plain)] == plain)
-    _STATE.update(
-        settings=settings, tokenizer=tokenizer, backend=getattr(tokenizer, "_tokenizer", None),
-        # chat templates write their own special tokens; other formats get the tokenizer's prefix (BOS)
-        prefix=[] if settings.fmt == "chat" else probe[:at],
-        eos=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
-    )
+        tokenizer = load_tokenizer(settings.tokenizer_dir)
+        backend = getattr(tokenizer, "_tokenizer", None)
+    else:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(settings.backend_json)
+    _STATE.update(settings=settings, tokenizer=tokenizer, backend=backend)
 
 
 def _render_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -84,7 +105,6 @@ def _render_chat(messages: list[dict[str, str]], add_generation_prompt: bool) ->
 def tokenize_chunk(chunk: RawChunk) -> Tokenized:
     """Decode, render, tokenize and truncate one chunk (in a worker or in this process)."""
     s: Settings = _STATE["settings"]
-    eos_text = _STATE["tokenizer"].eos_token or "\x00"
     out = Tokenized(*(np.zeros(0, t) for t in (np.int32, np.int32, np.int64, np.uint64, np.int64)))
     pieces: list[list[int] | None] = []  # per example: prefix, its segments' tokens, eos
     piece_example: list[int] = []
@@ -108,8 +128,8 @@ def tokenize_chunk(chunk: RawChunk) -> Tokenized:
             continue
         example = len(hashes)
         hashes.append(_hash(segments))
-        eos = _STATE["eos"] if s.fmt != "chat" or not segments[-1][0].rstrip().endswith(eos_text) else []
-        fixed: list[tuple[list[int], bool]] = [(_STATE["prefix"], not s.completion_only)]
+        eos = s.eos if s.fmt != "chat" or not segments[-1][0].rstrip().endswith(s.eos_text) else []
+        fixed: list[tuple[list[int], bool]] = [(s.prefix, not s.completion_only)]
         for text, trained in segments:
             slots.append(len(pieces) + len(fixed))
             fixed.append(([], trained))
@@ -160,8 +180,9 @@ def _assemble(out: Tokenized, pieces: list[Any], piece_example: list[int], piece
 
 
 def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -> Iterator[Tokenized]:
-    """tokenize_chunk over chunks, in order: the first POOL_AFTER_CHUNKS here, the rest in a pool of workers."""
-    init(settings)
+    """tokenize_chunk over chunks, in order: the first POOL_AFTER_CHUNKS here, the rest in a pool of workers.
+
+    `settings` must come from make_settings in this process (it loaded the tokenizer here)."""
     chunks = iter(chunks)
     yield from map(tokenize_chunk, itertools.islice(chunks, POOL_AFTER_CHUNKS if workers > 1 else None))
     rest = next(chunks, None)
@@ -170,7 +191,7 @@ def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -
     logger().info("prepare_data: more than %d chunks of rows: tokenizing in %d processes", POOL_AFTER_CHUNKS, workers)
     # spawn, not fork: the parent may hold threads (Prefect, tokenizers) that a fork would copy mid-lock
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=init, initargs=(settings, True)) as pool:
+    with context.Pool(workers, initializer=init, initargs=(settings,)) as pool:
         pending: deque[Any] = deque()
         for chunk in itertools.chain([rest], chunks):
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))

@@ -24,7 +24,7 @@ from prefect import task
 from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.data_sources import Problems, columns, fingerprint, read_chunks
-from tasks.data_tokenize import Settings, Tokenized, tokenize_all
+from tasks.data_tokenize import Settings, Tokenized, make_settings, tokenize_all
 from tasks.errors import UserError
 from tasks.formats import CHAT_TEMPLATES, detect_format
 from tasks.log import logger
@@ -84,16 +84,14 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
     tokenizer_dir = model_path(model.base_model, model.revision)
-    template = None
-    if fmt == "chat":
-        template = CHAT_TEMPLATES.get(args.chat_template)
-        if template is None and not load_tokenizer(tokenizer_dir).chat_template:
-            raise UserError(f"The tokenizer of {model.base_model} has no chat template, so the chat format cannot "
-                            f"be rendered. Set data.chat_template to one of {', '.join(CHAT_TEMPLATES)} "
-                            "(README: Data formats).")
+    template = CHAT_TEMPLATES.get(args.chat_template) if fmt == "chat" else None
+    if fmt == "chat" and template is None and not load_tokenizer(tokenizer_dir).chat_template:
+        raise UserError(f"The tokenizer of {model.base_model} has no chat template, so the chat format cannot "
+                        f"be rendered. Set data.chat_template to one of {', '.join(CHAT_TEMPLATES)} "
+                        "(README: Data formats).")
     completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
-    return Settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only, args.max_seq_length,
-                    template)
+    return make_settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only, args.max_seq_length,
+                         template)
 
 
 def _cores() -> int:

@@ -371,6 +371,6 @@ def test_every_example_longer_than_max_seq_length(tmp_path: Path) -> None:
 
 
 def test_missing_source_and_unsupported_file_type(tmp_path: Path) -> None:
-    fails(tmp_path, tmp_path / "nope.jsonl", "no such file or folder")
+    fails(tmp_path, tmp_path / "nope.jsonl", "no such file.")
     (tmp_path / "d.xlsx").write_text("x")
     fails(tmp_path, tmp_path / "d.xlsx", "unsupported file type '.xlsx'")

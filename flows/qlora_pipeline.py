@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.artifacts import failure_summary
 from tasks.config import RunConfig
 from tasks.evaluate_adapter import evaluate_adapter
 from tasks.export_adapter import export_adapter
@@ -15,7 +16,7 @@ from tasks.run_record import record_run
 from tasks.train_adapter import train_adapter
 
 
-@flow(name="qlora-pipeline")
+@flow(name="qlora-pipeline", on_failure=[failure_summary])
 def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: B008 - a pydantic default
     """Fine-tune a causal language model with QLoRA in five cached stages.
 
@@ -28,8 +29,8 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
             data on a CPU in a few minutes.
     """
     runs = config.runs_dir
-    data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
+    data_dir = prepare_data(config.data, config.model, runs)
     adapter_dir = train_adapter(config.lora, config.train, runs, data_dir, model_dir)
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)

@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from tasks.artifacts import TrainingProgress
 from tasks.batches import COMPLETE, pad_collator
 from tasks.log import logger
 
@@ -53,6 +54,7 @@ class Progress(TrainerCallback):
         self.collator = collator
         self.start = time.time()
         self.first_step = 0
+        self.artifact = TrainingProgress()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.start, self.first_step, self.collator.real_tokens = time.time(), state.global_step, 0
@@ -63,5 +65,7 @@ class Progress(TrainerCallback):
         elapsed = max(time.time() - self.start, 1e-9)
         done = state.global_step - self.first_step
         eta = elapsed / max(done, 1) * (state.max_steps - state.global_step)
-        logger().info("train_adapter: step %d/%d loss %.4f, %.0f tokens/s, ETA %.0fs", state.global_step,
-                      state.max_steps, logs["loss"], self.collator.real_tokens / elapsed, eta)
+        text = (f"step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f}, "
+                f"{self.collator.real_tokens / elapsed:.0f} tokens/s, ETA {eta:.0f}s")
+        logger().info("train_adapter: %s", text)
+        self.artifact.update(state.global_step, state.max_steps, text)

@@ -145,6 +145,9 @@ class StageRun:
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
         os.replace(tmp, self.dir / MANIFEST)
         self.done = True
+        from tasks.artifacts import stage_summary  # imports this module
+
+        stage_summary(manifest)
 
 
 def current_run_attempt() -> str | None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.manifest import current_run_attempt, read_manifest
 
@@ -32,6 +33,8 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     metrics = next(m for m in manifests if m["stage"] == "evaluate_adapter")["metrics"]
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
     run_dir.mkdir(parents=True, exist_ok=True)
+    train_dir = Path(stages["train_adapter"]["dir"])
+    loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png")
     (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
                                                  indent=2))
     return summary

@@ -23,6 +23,7 @@ from tasks.batches import ParquetExamples, latest_checkpoint
 from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, TrainArgs
 from tasks.errors import UserError
+from tasks.limits import gpu_slot
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
 from tasks.runtime import device, load_quantized
@@ -47,7 +48,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: st
             return str(stage.dir)
         examples = ParquetExamples(Path(data_dir) / "train.parquet")
         resume = latest_checkpoint(stage.dir / "checkpoints")
-        model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))
+        with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+            model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))
         model.save_pretrained(stage.dir / "adapter")
         (stage.dir / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
         shutil.rmtree(stage.dir / "checkpoints", ignore_errors=True)

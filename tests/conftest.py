@@ -25,6 +25,9 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     storage = tmp_path_factory.mktemp("prefect-results")
     with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), prefect_test_harness():
+        from deployments.setup import ensure_gpu_limit
+
+        ensure_gpu_limit()  # train_adapter takes it strictly, as on a set-up server
         yield storage
 
 
@@ -57,7 +60,7 @@ def statuses(summary: dict[str, Any]) -> dict[str, str]:
 
 def cli(args: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
     """Start the real `qlora-pipeline` command in its own process group (so a kill reaches its server)."""
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=PROJECT_ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **popen)
 

@@ -55,7 +55,7 @@ def test_every_bad_field_is_reported_at_once() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

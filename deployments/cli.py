@@ -3,6 +3,9 @@
     qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
     qlora-pipeline presets
+    qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
+    qlora-pipeline deploy                       # register deployments/prefect.yaml
+    qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
 with status 2; they are never retried and never print a traceback.
@@ -34,12 +37,23 @@ def _parser() -> argparse.ArgumentParser:
         if name == "run":
             cmd.add_argument("--json", action="store_true", help="print the run summary as JSON, last line")
     sub.add_parser("presets", help="list the presets")
+    setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
+    setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
+    sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
+    serve = sub.add_parser("serve", help="serve the flow in this process, with its nightly schedule")
+    serve.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
+    serve.add_argument("--preset", help="a preset from data/presets")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    serve.add_argument("--cron", default="0 2 * * *", help="schedule (cron syntax); '' for none")
+    serve.add_argument("--timezone", default="Europe/Berlin", help="time zone of the schedule")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `qlora-pipeline` command."""
     args = _parser().parse_args(argv)
+    if args.command in ("setup", "deploy"):
+        return _setup(args)
     if args.command == "presets":
         from tasks.config import PRESETS_DIR
 
@@ -53,7 +67,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
+    if args.command == "serve":
+        return _serve(config, args.cron, args.timezone)
     return _run(config, as_json=args.json)
+
+
+def _setup(args: argparse.Namespace) -> int:
+    from deployments import setup
+
+    if args.command == "deploy":
+        return setup.deploy()
+    print(setup.ensure_work_pool())
+    print(setup.ensure_gpu_limit())
+    if args.notify_url:
+        print(setup.apply_automations(args.notify_url))
+    else:
+        print("no --notify-url: failure automation not applied (the flow's on_failure hook still leaves a "
+              "summary artifact on every failed run)")
+    return 0
+
+
+def _serve(config: Any, cron: str, timezone: str) -> int:
+    from prefect.schedules import Cron
+
+    from deployments.setup import ensure_gpu_limit
+    from flows.qlora_pipeline import qlora_pipeline
+
+    print(ensure_gpu_limit())
+    schedules = [Cron(cron, timezone=timezone)] if cron else []
+    qlora_pipeline.serve(name="served", parameters={"config": config.model_dump(mode="json")}, schedules=schedules)
+    return 0
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -85,10 +128,12 @@ def _config_message(exc: Exception) -> str:
 
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
 
     _quiet_user_errors()
+    ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
         summary = qlora_pipeline(config=config)
     except UserError as exc:

@@ -1,0 +1,80 @@
+"""One-time server setup: work pool, the GPU concurrency limit, the failure automation; and deploying.
+
+Idempotent: each step creates what is missing and leaves what exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tasks.config import PROJECT_ROOT
+from tasks.limits import GPU_LIMIT
+
+HERE = Path(__file__).resolve().parent
+WORK_POOL = "qlora-process"
+NOTIFY_BLOCK = "qlora-pipeline-alerts"
+
+
+def ensure_gpu_limit() -> str:
+    """Create the global concurrency limit (1 slot) that train_adapter takes; say what happened."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+            return f"concurrency limit {GPU_LIMIT!r} exists"
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=1))
+            return f"created concurrency limit {GPU_LIMIT!r} (1 slot)"
+
+
+def ensure_work_pool(name: str = WORK_POOL) -> str:
+    """Create the process work pool the deployments use."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            return f"created work pool {name!r} (process)"
+        except ObjectAlreadyExists:
+            return f"work pool {name!r} exists"
+
+
+def apply_automations(notify_url: str) -> str:
+    """Create (or replace) the failure automation, notifying notify_url through a webhook block."""
+    from prefect import get_client
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.events.schemas.automations import AutomationCore
+
+    block = CustomWebhookNotificationBlock(
+        name=NOTIFY_BLOCK, url=notify_url, method="POST",
+        json_data={"subject": "{{subject}}", "body": "{{body}}"},
+    )
+    block_id = block.save(NOTIFY_BLOCK, overwrite=True)
+    text = (HERE / "automations.yaml").read_text().replace("{{ notify_block }}", str(block_id))
+    done = []
+    with get_client(sync_client=True) as client:
+        for spec in yaml.safe_load(text)["automations"]:
+            automation = AutomationCore.model_validate(spec)
+            for old in client.read_automations_by_name(automation.name):
+                client.delete_automation(old.id)
+            client.create_automation(automation)
+            done.append(automation.name)
+    return f"automation(s) {', '.join(done)} notify {notify_url}"
+
+
+def deploy() -> int:
+    """Register the deployments in deployments/prefect.yaml (from the repository root)."""
+    env = {**os.environ, "QLORA_PIPELINE_ROOT": str(PROJECT_ROOT)}
+    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all",
+               "--prefect-file", str(HERE / "prefect.yaml")]
+    return subprocess.call(command, cwd=PROJECT_ROOT, env=env)

@@ -1,0 +1,32 @@
+"""The global concurrency limit that lets only one training use the GPU at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tasks.errors import UserError
+from tasks.manifest import current_run_attempt
+
+GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
+
+
+@contextmanager
+def gpu_slot() -> Iterator[None]:
+    """Hold the one GPU-training slot while training; strict, so a missing limit is an error.
+
+    Outside a flow run (a stage called through .fn()) there is no Prefect server to hold a slot on.
+    """
+    if current_run_attempt() is None:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    try:
+        with concurrency(GPU_LIMIT, occupy=1, strict=True):
+            yield
+    except Exception as exc:
+        if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
+            raise
+        raise UserError(f"The global concurrency limit {GPU_LIMIT!r} does not exist on this Prefect server, so "
+                        "training cannot take the GPU slot. Run `qlora-pipeline setup` once.") from exc

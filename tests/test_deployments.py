@@ -1,0 +1,212 @@
+"""End to end through a real Prefect server on localhost: setup, deploy, a worker, runs started like the UI's.
+
+One server (SQLite in a temporary PREFECT_HOME) and one process worker for the whole module; each run
+uses its own runs_dir. Webhook notifications go to a local HTTP server, never anywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tasks.config import EMBEDDED_DATA, PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config
+
+STAGES = ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        _Hook.received.append(json.loads(body or b"{}"))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """prefect server + setup + deploy + a process worker; everything is stopped afterwards."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1")
+    hook = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    logs = home / "logs"
+    logs.mkdir()
+    procs = [_start(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+                    logs / "server.log")]
+    try:
+        _wait_healthy(port)
+        bin_dir = Path(sys.executable).parent
+        for args in (["setup", "--notify-url", f"http://127.0.0.1:{hook.server_port}/hook"], ["deploy"]):
+            done = subprocess.run([str(bin_dir / "qlora-pipeline"), *args], env=env, capture_output=True, text=True,
+                                  timeout=300, cwd=home)
+            assert done.returncode == 0, done.stdout + done.stderr
+        procs.append(_start(["prefect", "worker", "start", "--pool", "qlora-process", "--limit", "1"], env,
+                            logs / "worker.log"))
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):  # this process's client too
+            yield {"env": env, "port": port, "hook": _Hook.received, "logs": logs}
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        hook.shutdown()
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    exe = str(Path(sys.executable).parent / args[0])
+    return subprocess.Popen([exe, *args[1:]], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=log.parent)
+
+
+def _wait_healthy(port: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("prefect server did not become healthy")
+
+
+def _config(runs_dir: Path, data: Path) -> dict[str, Any]:
+    return {"runs_dir": str(runs_dir), "data": {"source": str(data)},
+            "train": {"max_steps": 4, "save_steps": 2, "logging_steps": 1},
+            "eval": {"max_samples": 8}}
+
+
+def _start_run(deployment: str, config: dict[str, Any]) -> Any:
+    """What the UI's Run button does: create a flow run of the deployment with the form's parameters."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(f"qlora-pipeline/{deployment}")
+        return client.create_flow_run_from_deployment(dep.id, parameters={"config": config}).id
+
+
+def _wait(flow_run_id: Any, timeout: float = 600) -> Any:
+    from prefect import get_client
+
+    deadline = time.time() + timeout
+    with get_client(sync_client=True) as client:
+        while time.time() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state and run.state.type.value in FINAL and run.state.name != "AwaitingRetry":
+                return run
+            time.sleep(1)
+    raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout}s")
+
+
+def _task_states(flow_run_id: Any) -> dict[str, list[str]]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    states: dict[str, list[str]] = {}
+    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        states.setdefault(run.task_key.split("-")[0], []).append(run.state.name)
+    return states
+
+
+def _artifact_keys(flow_run_id: Any) -> set[str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key for a in found if a.key}
+
+
+def test_deployments_match_the_presets() -> None:
+    spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
+    by_name = {d["name"]: d for d in spec["deployments"]}
+    for name in ("embedded-default", "reference-recipe"):
+        assert RunConfig.model_validate(by_name[name]["parameters"]["config"]) == load_config(
+            PRESETS_DIR / f"{name}.yaml")
+    nightly = by_name["nightly"]["schedules"][0]
+    assert nightly["cron"] == "0 2 * * *" and nightly["timezone"] == "Europe/Berlin"
+
+
+def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    config = _config(tmp_path / "runs", data)
+    first = _wait(_start_run("embedded-default", config))
+    assert first.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
+    assert {k: v[-1] for k, v in _task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
+    keys = _artifact_keys(first.id)
+    assert {"prepare-data", "prepare-model", "train-adapter", "evaluate-adapter", "export-adapter",
+            "train-progress", "loss-curve"} <= keys
+    assert list((tmp_path / "runs" / "runs").glob("*/loss.png"))
+
+    again = _wait(_start_run("embedded-default", config))
+    assert again.state.type.value == "COMPLETED"
+    assert {k: v[-1] for k, v in _task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+
+
+def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, Any], tmp_path: Path) -> None:
+    from prefect import get_client
+    from prefect.states import Scheduled
+
+    data = tmp_path / "data.jsonl"
+    good = "".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200])
+    data.write_text(good + "{not json\n")
+    failed = _wait(_start_run("embedded-default", _config(tmp_path / "runs", data)))
+    assert failed.state.type.value == "FAILED"
+    states = _task_states(failed.id)
+    assert states["prepare_model"] == ["Completed"] and states["prepare_data"] == ["Failed"]
+    assert "run-failure" in _artifact_keys(failed.id)
+    model_manifest = next((tmp_path / "runs" / "prepare_model").glob("*/manifest.json"))
+    written = model_manifest.stat().st_mtime_ns
+
+    data.write_text(good)  # the fix
+    with get_client(sync_client=True) as client:  # what the UI's Retry (and `prefect flow-run retry`) does
+        client.set_flow_run_state(failed.id, Scheduled(message="Retried"), force=True)
+    retried = _wait(failed.id)
+    assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
+    states = _task_states(failed.id)
+    assert states["prepare_model"] == ["Completed", "Cached"]
+    assert states["prepare_data"][-1] == "Completed"
+    assert model_manifest.stat().st_mtime_ns == written  # not recomputed
+
+    deadline = time.time() + 90  # the automation fires from the server's event stream
+    while not any("failed" in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
+        time.sleep(1)
+    assert any(failed.name in m.get("subject", "") for m in server["hook"]), server["hook"]

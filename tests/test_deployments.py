@@ -182,31 +182,35 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
 
 
 def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, Any], tmp_path: Path) -> None:
+    """A nightly run whose data went bad fails in prepare_data, before any GPU work; once the data is fixed,
+    Retry on that same flow run reuses every stage an earlier run finished instead of recomputing it."""
     from prefect import get_client
     from prefect.states import Scheduled
 
     data = tmp_path / "data.jsonl"
     good = "".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200])
-    data.write_text(good + "{not json\n")
-    failed = _wait(_start_run("embedded-default", _config(tmp_path / "runs", data)))
+    data.write_text(good)
+    config = _config(tmp_path / "runs", data)
+    assert _wait(_start_run("nightly", config)).state.type.value == "COMPLETED"
+    manifests = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/*/manifest.json")}
+    assert len(manifests) == 5
+
+    data.write_text(good + "{not json\n")  # last night's export went wrong
+    failed = _wait(_start_run("nightly", config))
     assert failed.state.type.value == "FAILED"
-    states = _task_states(failed.id)
-    assert states["prepare_model"] == ["Completed"] and states["prepare_data"] == ["Failed"]
+    assert _task_states(failed.id) == {"prepare_data": ["Failed"]}
+    assert "line(s)" in failed.state.message or "bad rows" in failed.state.message
     assert "run-failure" in _artifact_keys(failed.id)
-    model_manifest = next((tmp_path / "runs" / "prepare_model").glob("*/manifest.json"))
-    written = model_manifest.stat().st_mtime_ns
 
     data.write_text(good)  # the fix
     with get_client(sync_client=True) as client:  # what the UI's Retry (and `prefect flow-run retry`) does
         client.set_flow_run_state(failed.id, Scheduled(message="Retried"), force=True)
     retried = _wait(failed.id)
     assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    states = _task_states(failed.id)
-    assert states["prepare_model"] == ["Completed", "Cached"]
-    assert states["prepare_data"][-1] == "Completed"
-    assert model_manifest.stat().st_mtime_ns == written  # not recomputed
+    assert {k: v[-1] for k, v in _task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {p: p.stat().st_mtime_ns for p in manifests} == manifests  # nothing recomputed
 
     deadline = time.time() + 90  # the automation fires from the server's event stream
-    while not any("failed" in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
+    while not any(failed.name in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
         time.sleep(1)
     assert any(failed.name in m.get("subject", "") for m in server["hook"]), server["hook"]

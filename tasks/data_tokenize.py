@@ -3,7 +3,8 @@
 A worker decodes the rows (JSON parsing included), renders each record into text segments
 (tasks.formats), tokenizes all segments of the chunk in one batched call of the fast tokenizer and
 assembles input_ids/labels with numpy, truncated to max_seq_length. Chunks come back in input order,
-so the output does not depend on the number of workers. Imports no torch, so spawned workers start fast.
+so the output does not depend on the number of workers. Workers get the fast tokenizer serialized and
+import neither transformers nor torch (unless chat templates need them), so they start fast and stay small.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import hashlib
 import itertools
 import multiprocessing
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,7 @@ from tasks.data_sources import Problems, RawChunk, decode
 from tasks.formats import Segments, to_segments
 from tasks.log import logger
 
+_DESCRIBED: dict[tuple, dict[str, Any]] = {}
 POOL_AFTER_CHUNKS = 8  # small data stays in this process: starting workers costs seconds (imports, tokenizer)
 
 
@@ -45,6 +50,22 @@ class Settings:
 def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], completion_only: bool,
                   max_len: int, chat_template: str | None) -> Settings:
     """Settings for this tokenizer and format; loads the tokenizer into this process too."""
+    memo = (tokenizer_dir, *sorted((p.name, p.stat().st_mtime_ns) for p in Path(tokenizer_dir).iterdir()))
+    if memo not in _DESCRIBED and (fmt == "chat" or "transformers" in sys.modules or not _can_spawn()):
+        _DESCRIBED[memo] = _describe(tokenizer_dir)
+    elif memo not in _DESCRIBED:
+        # transformers imports torch (0.3-1 GB of RSS): read the tokenizer in a short-lived process instead
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as helper:
+            _DESCRIBED[memo] = helper.submit(_describe, tokenizer_dir).result()
+    facts = _DESCRIBED[memo]
+    settings = Settings(str(tokenizer_dir), fmt, column_mapping, completion_only, max_len, chat_template,
+                        prefix=[] if fmt == "chat" else facts["prefix"], eos=facts["eos"],
+                        eos_text=facts["eos_text"], backend_json=facts["backend_json"])
+    init(settings, worker=False)
+    return settings
+
+
+def _describe(tokenizer_dir: str) -> dict[str, Any]:
     from tasks.runtime import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -52,13 +73,8 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     at = next(i for i in range(len(probe)) if probe[i:i + len(plain)] == plain)
     backend = getattr(tokenizer, "_tokenizer", None)
-    settings = Settings(
-        str(tokenizer_dir), fmt, column_mapping, completion_only, max_len, chat_template,
-        prefix=[] if fmt == "chat" else probe[:at],
-        eos=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
-        eos_text=tokenizer.eos_token or "\x00", backend_json=backend.to_str() if backend is not None else None)
-    _STATE.update(settings=settings, tokenizer=tokenizer, backend=backend)
-    return settings
+    return {"prefix": probe[:at], "eos": [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+            "eos_text": tokenizer.eos_token or "\x00", "backend_json": backend.to_str() if backend else None}
 
 
 @dataclass
@@ -74,15 +90,17 @@ class Tokenized:
     empty: int = 0
     prompt_too_long: int = 0
     truncated: int = 0
+    tokens_cut: int = 0  # tokens lost to truncation, in the examples kept
     problems: Problems = field(default_factory=Problems)
 
 
 _STATE: dict[str, Any] = {}
 
 
-def init(settings: Settings) -> None:
-    """Load the tokenizer once per worker process."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+def init(settings: Settings, worker: bool = True) -> None:
+    """Load the tokenizer once per process: from its serialized backend, or with transformers where needed."""
+    if worker:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     tokenizer = backend = None
     if settings.fmt == "chat" or settings.backend_json is None:  # needs transformers: chat templates, slow tokenizers
         from tasks.runtime import load_tokenizer
@@ -176,7 +194,14 @@ def _assemble(out: Tokenized, pieces: list[Any], piece_example: list[int], piece
     out.input_ids, out.labels, out.lengths = ids[token_keep], labels[token_keep], kept_length[keep]
     out.raw_lengths, out.hashes = length, np.flatnonzero(keep)
     out.truncated = int((length[keep] > max_len).sum())
+    out.tokens_cut = int((length[keep] - kept_length[keep]).sum())
     out.prompt_too_long = int(n - keep.sum())
+
+
+def _can_spawn() -> bool:
+    # a spawned process re-imports __main__ from its file: impossible for `python - <script` (or a REPL's "<stdin>")
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is None or os.path.isfile(path)
 
 
 def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -> Iterator[Tokenized]:
@@ -184,7 +209,8 @@ def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -
 
     `settings` must come from make_settings in this process (it loaded the tokenizer here)."""
     chunks = iter(chunks)
-    yield from map(tokenize_chunk, itertools.islice(chunks, POOL_AFTER_CHUNKS if workers > 1 else None))
+    alone = workers <= 1 or not _can_spawn()
+    yield from map(tokenize_chunk, itertools.islice(chunks, None if alone else POOL_AFTER_CHUNKS))
     rest = next(chunks, None)
     if rest is None:
         return
@@ -195,7 +221,7 @@ def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -
         pending: deque[Any] = deque()
         for chunk in itertools.chain([rest], chunks):
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:  # bounded read-ahead: memory stays flat however big the data
+            if len(pending) >= workers + 2:  # bounded read-ahead: memory stays flat however big the data
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()

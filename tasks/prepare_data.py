@@ -162,12 +162,14 @@ class _Report:
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
-        self.counts = {"rows_in": 0, "dropped_empty": 0, "dropped_prompt_too_long": 0, "truncated": 0}
+        self.counts = {"rows_in": 0, "dropped_empty": 0, "dropped_prompt_too_long": 0, "truncated": 0,
+                       "truncated_tokens": 0}
         self.histogram = np.zeros(max_len + 1, dtype=np.int64)
 
     def add(self, part: Tokenized) -> None:
         for key, value in (("rows_in", part.rows), ("dropped_empty", part.empty),
-                           ("dropped_prompt_too_long", part.prompt_too_long), ("truncated", part.truncated)):
+                           ("dropped_prompt_too_long", part.prompt_too_long), ("truncated", part.truncated),
+                           ("truncated_tokens", part.tokens_cut)):
             self.counts[key] += value
         if len(part.raw_lengths) and part.raw_lengths.max() >= len(self.histogram):
             self.histogram = np.pad(self.histogram, (0, int(part.raw_lengths.max()) + 1 - len(self.histogram)))
@@ -215,7 +217,8 @@ def _table(m: dict[str, Any], max_len: int) -> str:
             ("dropped: empty response/text", f"{m['dropped_empty']:,}"),
             ("dropped: prompt fills max_seq_length", f"{m['dropped_prompt_too_long']:,}"),
             ("examples kept (train / eval)", f"{m['rows_out']:,} ({m['train_examples']:,} / {m['eval_examples']:,})"),
-            ("truncated to max_seq_length", f"{m['truncated']:,} ({m['truncation_rate']:.1%}), max {max_len}"),
+            ("truncated to max_seq_length", f"{m['truncated']:,} ({m['truncation_rate']:.1%}) at {max_len}, "
+             f"cutting {m['truncated_tokens'] / max(m['tokens'] + m['truncated_tokens'], 1):.1%} of the tokens"),
             ("tokens per example p50/p90/p99/max",
              f"{m['len_p50']} / {m['len_p90']} / {m['len_p99']} / {m['len_max']}"),
             ("train rows" + (" (packed)" if m["pack_examples"] else ""), f"{m['train_rows']:,}"),

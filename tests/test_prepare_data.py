@@ -247,6 +247,7 @@ def test_truncation_is_counted_and_prompts_that_fill_the_window_are_dropped(tmp_
     m = out["metrics"]
     assert (m["dropped_prompt_too_long"], m["truncated"], m["rows_out"]) == (1, 1, 21)
     assert m["len_max"] > 64 >= max(len(r["input_ids"]) for r in rows(out))
+    assert m["truncated_tokens"] == m["len_max"] - 64  # one example truncated: the longest
     assert m["len_p50"] <= m["len_p90"] <= m["len_p99"] <= m["len_max"] and 0 < m["padding_waste"] < 1
 
 

@@ -214,3 +214,67 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     while not any(failed.name in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
         time.sleep(1)
     assert any(failed.name in m.get("subject", "") for m in server["hook"]), server["hook"]
+
+
+def _browser() -> Any:
+    """Headless Debian Chromium through chromedriver, with no background network of its own."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,2000"):
+        options.add_argument(flag)
+    options.binary_location = CHROMIUM
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+SCREENSHOTS = PROJECT_ROOT / "test-output" / "ui"
+
+
+@pytest.mark.skipif(not Path(CHROMEDRIVER).exists() and not os.environ.get("CI"),
+                    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, Any], tmp_path: Path) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    with get_client(sync_client=True) as client:  # an operator's defaults for this deployment's form
+        dep = client.read_deployment_by_name("qlora-pipeline/embedded-default")
+        client.update_deployment(dep.id, DeploymentUpdate(parameters={"config": _config(tmp_path / "runs", data)}))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser = _browser()
+    try:
+        browser.get(f"http://127.0.0.1:{server['port']}/deployments/deployment/{dep.id}/run")
+        WebDriverWait(browser, 60).until(lambda b: "Tokens per example" in b.page_source)
+        browser.save_screenshot(str(SCREENSHOTS / "1-run-form.png"))
+        page = browser.page_source
+        for description in ("Folder for stage outputs, shared between runs.", "LoRA rank.",
+                            "Optimizer steps between checkpoints.", "4-bit data type."):
+            assert description in page  # every section of RunConfig, with its help text
+        submit = next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Submit")
+        browser.execute_script("arguments[0].scrollIntoView(true);", submit)
+        submit.click()
+        try:
+            WebDriverWait(browser, 60).until(lambda b: not b.current_url.split("?")[0].endswith("/run"))
+        finally:
+            browser.save_screenshot(str(SCREENSHOTS / "2-after-submit.png"))
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+        ours = [r for r in runs if r.parameters["config"].get("runs_dir") == str(tmp_path / "runs")]
+        assert len(ours) == 1  # the one the form created, with the form's values
+        flow_run_id = ours[0].id
+        run = _wait(flow_run_id)
+        assert run.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
+        assert run.parameters["config"]["runs_dir"] == str(tmp_path / "runs")
+        browser.get(f"http://127.0.0.1:{server['port']}/runs/flow-run/{flow_run_id}")
+        WebDriverWait(browser, 60).until(lambda b: "Completed" in b.page_source)
+        browser.save_screenshot(str(SCREENSHOTS / "3-flow-run-completed.png"))
+    finally:
+        browser.quit()

@@ -19,6 +19,8 @@ class mark_complete(TrainerCallback):  # noqa: N801
     """Writes the complete marker after the Trainer has saved everything for a checkpoint."""
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:  # rank 0 writes the checkpoint folder
+            return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         tmp = folder / f".{COMPLETE}.tmp"
         tmp.write_text(json.dumps({"step": state.global_step, "time": time.time()}))
@@ -32,6 +34,8 @@ class LossLog(TrainerCallback):
         self.path = path
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
         if self.path.exists():
             lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             kept = [line for line in lines if line["step"] <= state.global_step]
@@ -40,7 +44,7 @@ class LossLog(TrainerCallback):
             self.path.touch()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs:
+        if logs and "loss" in logs and state.is_world_process_zero:
             entry = {"step": state.global_step, "epoch": round(state.epoch or 0, 4),
                      **{k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}}
             with self.path.open("a") as f:
@@ -60,7 +64,7 @@ class Progress(TrainerCallback):
         self.start, self.first_step, self.collator.real_tokens = time.time(), state.global_step, 0
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if not logs or "loss" not in logs:
+        if not logs or "loss" not in logs or not state.is_world_process_zero:
             return
         elapsed = max(time.time() - self.start, 1e-9)
         done = state.global_step - self.first_step

@@ -8,7 +8,7 @@ BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and need
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -87,6 +87,10 @@ class LoraArgs(_Section):
 
 
 class TrainArgs(_Section):
+    num_gpus: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Data-parallel processes (torchrun + DDP), one per GPU; 'auto' = every visible GPU. "
+        "On a machine without GPUs, N > 1 runs N CPU processes with the gloo backend.",
+    )
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")

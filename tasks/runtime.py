@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,7 @@ def load_quantized(model_dir: Path) -> Any:
     dtype = getattr(torch, manifest.get("metrics", {}).get("compute_dtype", "float32"))
     # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, device_map={"": 0} if device() == "cuda" else "cpu", dtype=dtype,
+        model_dir, dtype=dtype,  # one GPU per data-parallel rank (torchrun's LOCAL_RANK)
+        device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
         attn_implementation=manifest.get("params", {}).get("model", {}).get("attn_implementation", "sdpa"),
     )

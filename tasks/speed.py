@@ -319,7 +319,8 @@ def micro_batch_tokens(budget_gb: float, used_bytes: int, config: Any, offload: 
 # ---------------------------------------------------------------------------------------------------------------
 
 OWN_FIELDS = ("packing", "max_tokens_per_batch", "gpu_memory_budget_gb", "offload_activations",
-              "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel")  # TrainArgs fields not Trainer's
+              "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel",
+              "num_gpus")  # TrainArgs fields not Trainer's
 
 
 def trainer_settings(train: Any) -> dict[str, Any]:

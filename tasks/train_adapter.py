@@ -19,6 +19,7 @@ from typing import Any
 
 from prefect import task
 
+from tasks import distributed
 from tasks.batches import ParquetExamples, latest_checkpoint
 from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, TrainArgs
@@ -46,21 +47,31 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, runs_dir: Path, data_dir: st
     with open_stage(spec(lora, train, runs_dir, data_dir, model_dir), keep=("checkpoints", "loss.jsonl")) as stage:
         if stage.done:
             return str(stage.dir)
-        examples = ParquetExamples(Path(data_dir) / "train.parquet")
         resume = latest_checkpoint(stage.dir / "checkpoints")
+        processes = distributed.world_size(train)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
-            model, trainer, result, used = _fit_with_backoff(lora, train, examples, stage.dir, Path(model_dir))
-        model.save_pretrained(stage.dir / "adapter")
-        (stage.dir / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
-        shutil.rmtree(stage.dir / "checkpoints", ignore_errors=True)
-        metrics = {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
-                   "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
-                   "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                   "per_device_train_batch_size": used.per_device_train_batch_size,
-                   "gradient_accumulation_steps": used.gradient_accumulation_steps}
+            if processes > 1:
+                metrics = distributed.launch(lora, train, data_dir, model_dir, stage.dir, processes)
+            else:
+                metrics = fit_and_save(lora, train, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
         return str(stage.dir)
+
+
+def fit_and_save(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str, out: Path) -> dict[str, Any]:
+    """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
+    examples = ParquetExamples(Path(data_dir) / "train.parquet")
+    model, trainer, result, used = _fit_with_backoff(lora, train, examples, out, Path(model_dir))
+    if trainer.is_world_process_zero():
+        model.save_pretrained(out / "adapter")
+        (out / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
+            "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "per_device_train_batch_size": used.per_device_train_batch_size,
+            "gradient_accumulation_steps": used.gradient_accumulation_steps, "processes": trainer.args.world_size}
 
 
 def check_target_modules(target_modules: list[str], model_dir: Path) -> None:

@@ -302,6 +302,11 @@ def test_worker_pool_gives_the_same_output(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(tasks.data_sources, "CHUNK_ROWS", 64)
     pooled = run(tmp_path / "pool", source)
     assert pooled["train"] == alone["train"] and pooled["eval"] == alone["eval"]
+    # a __main__ that a spawned process cannot re-import (`python - <script`): everything stays in this process
+    import sys
+
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tmp_path / "<stdin>"), raising=False)
+    assert run(tmp_path / "stdin", source)["train"] == alone["train"]
 
 
 # ---- bad input: one clear error listing every problem, no manifest ----------------------------------------

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `qlora-pipeline` command."""
+    # no network here or on most workers: a temporary server must not try to phone home
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = _parser().parse_args(argv)
     if args.command in ("setup", "deploy"):
         return _setup(args)

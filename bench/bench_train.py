@@ -106,7 +106,7 @@ def _write_tokenizer(folder: Path) -> None:
 def _cap(gib: float) -> None:
     import torch
 
-    if gib:
+    if gib and torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(gib * GIB / torch.cuda.get_device_properties(0).total_memory)
 
 
@@ -162,6 +162,7 @@ def _train_once(model: Any, examples: Any, train: Any, out: Path, model_dir: Pat
     res: dict[str, Any] = {}
     if run.get("loss_check"):
         res["loss_check"] = _pipeline_loss(model, collator, examples, run["loss_check"])
+        res["packing_check"] = _packing_check(model, examples)
     marks: list[tuple[float, int]] = []
 
     class Clock(TrainerCallback):
@@ -236,6 +237,37 @@ def _pipeline_loss(model: Any, collator: Any, examples: Any, k: int) -> dict[str
             sums += float(model(**batch).loss) * n
             count += n
     return {"examples": k, "tokens": count, "per_token_loss": sums / count}
+
+
+def _packing_check(model: Any, examples: Any, n: int = 4) -> dict[str, Any]:
+    """Last hidden states of n examples packed in one row vs each run alone: relative difference. The same row
+    without position ids (plain causal attention across examples) shows what leaking between examples costs."""
+    import torch
+
+    from tasks.batches import pack_collator
+
+    inner = model.get_base_model().model
+    dev = next(inner.parameters()).device
+    ids = [examples[i]["input_ids"] for i in range(n)]
+    batch = pack_collator()([{"input_ids": ids, "labels": ids}])
+    keys = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    with torch.no_grad(), _autocast():
+        x = batch["input_ids"].to(dev)
+        packed = inner(input_ids=x, **{k: batch[k].to(dev) if isinstance(batch[k], torch.Tensor) else batch[k]
+                                        for k in keys}).last_hidden_state[0].float()
+        leaky = inner(input_ids=x).last_hidden_state[0].float()
+        alone = torch.cat([inner(input_ids=torch.tensor([row], device=dev)).last_hidden_state[0].float()
+                           for row in ids])
+        attn = inner.config._attn_implementation
+        model.get_base_model().set_attn_implementation("sdpa")  # transformers' block-diagonal mask, for scale
+        masked = inner(input_ids=x, position_ids=batch["position_ids"].to(dev)).last_hidden_state[0].float()
+        model.get_base_model().set_attn_implementation(attn)
+
+    def rel(a: Any) -> float:
+        return float((a - alone).norm() / alone.norm())
+
+    return {"examples": n, "attn": attn, "packed_vs_alone": rel(packed), "sdpa_mask_packed_vs_alone": rel(masked),
+            "no_position_ids_vs_alone": rel(leaky)}
 
 
 def _profile(model: Any, collator: Any, examples: Any, tokens: int) -> str:
@@ -342,7 +374,8 @@ def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
 
 
 def pipeline_runs(a: argparse.Namespace, n: int) -> list[dict[str, Any]]:
-    return [{"name": "default", "n": n, "train": {"max_steps": a.steps + 2}, "loss_check": a.loss_examples}]
+    run = {"name": "default", "n": n, "train": {"max_steps": a.steps + 2}, "loss_check": a.loss_examples}
+    return [{**run, "profile": a.profile_tokens} if a.profile_tokens else run]
 
 
 def max_seq_runs(ladder: list[int], train: dict[str, Any]) -> list[dict[str, Any]]:
@@ -365,14 +398,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="lengths are cut at this many tokens")
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps, after 2 warm-up steps")
     ap.add_argument("--loss-examples", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)  # CPU smoke tests: tiny models
     ap.add_argument("--unsloth-site", default="", help="PYTHONPATH holding Unsloth's wheels; empty = skip (c)")
     ap.add_argument("--unsloth-bs", type=int, default=2)
     ap.add_argument("--unsloth-ga", type=int, default=4)
+    ap.add_argument("--unsloth-steps", type=int, default=6, help="timed steps of (c), after its 2 warm-up steps")
     ap.add_argument("--reference-ga", type=int, default=4)
     ap.add_argument("--pipeline-ladder", default="32768,65536,98304,131072")
     ap.add_argument("--reference-ladder", default="2048,4096")
     ap.add_argument("--unsloth-ladder", default="32768,65536")
     ap.add_argument("--sweep", default="", help="JSON list of extra pipeline workers {name, lora, train, runs}")
+    ap.add_argument("--profile-tokens", type=int, default=0, help="profile one pipeline micro-step of this size")
     ap.add_argument("--skip", default="", help="comma list of: reference, unsloth, caps, pipeline")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-bench"))
@@ -389,6 +425,15 @@ def main() -> None:
     result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                               "seq": a.seq, "versions": _versions(), "gpu": _gpu()}
     work = Path(a.work)
+    out = Path(a.out)
+    path = out / f"{result['date']}-h200.json"
+
+    def save() -> None:  # after every phase, so a run cut short still leaves its figures
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**summarize(result, mean_len, a), "raw": result}, indent=1) + "\n")
+        (logs / path.name).write_text(path.read_text())
+
+    mean_len = 0.0
     build = runner.run("build", worker_cmd("build", {"shared": shared, "model_dir": a.model_dir,
                                                      "runs_dir": str(work / "runs")}), timeout=900)
     result["build"] = build
@@ -397,27 +442,31 @@ def main() -> None:
     mean_len = sum(lens) / len(lens)
     result["data"] = {"lengths": f"lognormal median 250 sigma 0.8, min 16, cut at {a.seq}, seed 0",
                       "mean_len_4000": round(mean_len, 1)}
-    base = {"model_dir_4bit": four, "work": str(work), "seq": a.seq}
+    base = {"model_dir_4bit": four, "work": str(work), "seq": a.seq, "vocab": a.vocab}
 
     if "pipeline" not in skip:
         spec = {**base, "name": "pipeline", "runs": pipeline_runs(a, 4000)}
         result["pipeline_run"] = runner.run("pipeline", worker_cmd("pipeline", spec))
+        save()
     for extra in json.loads(a.sweep or "[]"):
         spec = {**base, "name": extra["name"], "lora": extra.get("lora", {}), "train": extra.get("train", {}),
                 "runs": extra["runs"]}
         result.setdefault("sweep", {})[extra["name"]] = runner.run(f"sweep {extra['name']}",
                                                                    worker_cmd("pipeline", spec))
+        save()
     if "reference" not in skip:
         cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, str(a.seq), "--lengths", "dolly",
                "--ga", str(a.reference_ga), "--steps", str(a.steps)]
         result["reference_run"] = runner.run("reference", cmd, env=env)
+        save()
     uns_env = None
     if a.unsloth_site and "unsloth" not in skip:
         uns_env = {**env, "PYTHONPATH": a.unsloth_site, "HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
         cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, str(a.seq), str(a.unsloth_bs),
-               str(a.unsloth_ga), "--packing", "--targets", "all", "--steps", str(max(2, a.steps // 2))]
+               str(a.unsloth_ga), "--packing", "--targets", "all", "--steps", str(a.unsloth_steps)]
         Path("/tmp/unsloth-cwd").mkdir(exist_ok=True)
-        result["unsloth_run"] = runner.run("unsloth", cmd, env=uns_env, cwd="/tmp/unsloth-cwd")
+        result["unsloth_run"] = runner.run("unsloth", cmd, env=uns_env, cwd="/tmp/unsloth-cwd", timeout=360)
+        save()
 
     if "caps" not in skip:  # untimed probes, side by side
         jobs: dict[str, Any] = {}
@@ -437,17 +486,11 @@ def main() -> None:
                     cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, s, "1", "1", "--fixed",
                            "--targets", "all", "--steps", "1", "--cap-gib", "16"]
                     jobs[f"unsloth_cap_{s}"] = pool.submit(runner.run, f"unsloth cap {s}", cmd, uns_env,
-                                                           900, "/tmp/unsloth-cwd")
+                                                           360, "/tmp/unsloth-cwd")
         result.update({k: f.result() for k, f in jobs.items()})
 
-    summary = summarize(result, mean_len, a)
-    result = {**summary, "raw": result}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result['date']}-h200.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    (logs / path.name).write_text(path.read_text())
-    print(table(summary))
+    save()
+    print(table(summarize(result, mean_len, a)))
     print(f"wrote {path}")
 
 

@@ -78,7 +78,10 @@ class ModelArgs(_Section):
 class LoraArgs(_Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
-    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    lora_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input (0.05 in the QLoRA paper; 0 trained 5% faster "
+        "with 1.6 GiB less peak memory on an H200, Llama-3.1-8B shape).",
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: list(ALL_PROJECTIONS),
         description="Module names that get adapters; prepare_model lists the ones the model has.",
@@ -119,7 +122,7 @@ class TrainArgs(_Section):
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, as many as gpu_memory_budget_gb "
-        "allows; on CPU, per_device_train_batch_size examples per micro-batch.",
+        "allows, at most 16,384; on CPU, per_device_train_batch_size examples per micro-batch.",
     )
     gpu_memory_budget_gb: float = Field(
         16.0, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
@@ -127,7 +130,7 @@ class TrainArgs(_Section):
     )
     offload_activations: bool | None = Field(
         None, description="Keep the checkpointed layer inputs in pinned CPU memory, for long sequences on small "
-        "GPUs. None: only when the budget would otherwise hold fewer tokens than the longest example.",
+        "GPUs. None: only when a micro-batch's checkpointed inputs would not fit gpu_memory_budget_gb.",
     )
     upcast_frozen_to_fp32: bool = Field(
         False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "
@@ -140,6 +143,10 @@ class TrainArgs(_Section):
     use_liger_kernel: bool | None = Field(
         None, description="Liger's fused RMSNorm, SwiGLU and RoPE kernels. None: where liger-kernel is installed "
         "(the 'gpu' extra) and a GPU is present.",
+    )
+    mlp_chunk_tokens: int = Field(
+        16384, ge=0, description="Run each MLP over at most this many tokens at a time, each chunk checkpointed: "
+        "long sequences fit in less memory for one more MLP forward. 0 = never.",
     )
 
 

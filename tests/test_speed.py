@@ -167,3 +167,28 @@ def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) ->
     examples = ParquetExamples(tmp_path / "train.parquet")
     assert examples.input_ids == [[1, 2, 3], [4, 5], [6, 7]]
     assert examples.labels == [[-100, 2, 3], [-100, 5], [-100, 7]]
+
+
+def test_tiled_mlp_gives_the_same_loss_and_gradients() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from tasks import speed
+
+    examples = _examples([30, 50, 9])
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    results = []
+    for tiled in (False, True):
+        base = _tiny()
+        if tiled:
+            assert speed.tile_mlp(base, 16) == 4  # 89 tokens in 6 chunks
+        speed.enable_checkpointing(base, offload=False)
+        torch.manual_seed(1)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj", "down_proj"],
+                                                init_lora_weights="gaussian")).train()
+        loss = model(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6)

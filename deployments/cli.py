@@ -180,6 +180,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
           f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "
           f"{m['tuned_perplexity']:.2f}")
+    if m.get("tuned_rouge_l") is not None:
+        print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
+              f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
+    if "promotion" in m:
+        print(f"export {m['export_version']} {m['promotion']}: {m['promotion_reason']}\n"
+              f"champion: {m['champion_version']}; this version: {m['export_path']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
 
 

@@ -154,11 +154,38 @@ class EvalArgs(_Section):
     max_samples: int | None = Field(
         None, gt=0, description="Evaluate on at most this many eval examples; None = all."
     )
-    per_device_eval_batch_size: int = Field(8, gt=0, description="Examples per eval batch.")
+    per_device_eval_batch_size: int = Field(8, gt=0, description="Examples per eval batch (loss and generation).")
+    generation_samples: int = Field(
+        32, ge=0, description="Answer the first this many eval prompts by greedy generation, with the base model "
+        "and with the adapter, and score the answers (exact match, ROUGE-L); 0 = no generation.",
+    )
+    max_new_tokens: int = Field(32, gt=0, description="Most tokens generated per answer (stops earlier at eos).")
+    lm_eval_tasks: list[str] = Field(
+        default_factory=list, description="lm-evaluation-harness task names (e.g. [hellaswag, arc_easy]) run on "
+        "base and tuned; needs `pip install lm-eval` and the tasks' datasets, skipped with a note otherwise.",
+    )
+    limit: int | None = Field(
+        None, gt=0, description="lm-evaluation-harness: at most this many examples per task; None = all.",
+    )
 
 
 class ExportArgs(_Section):
-    name: str = Field("adapter", pattern=r"^[A-Za-z0-9._-]+$", description="Name of the exported adapter.")
+    name: str = Field(
+        "adapter", pattern=r"^[A-Za-z0-9._-]+$",
+        description="Registry name: versions go to runs_dir/exports/<name>/vNNNN/, the champion to champion.json.",
+    )
+    promotion_margin: float = Field(
+        0.01, ge=0.0, lt=1.0, description="Promote a new version to champion only if its tuned eval loss is below "
+        "the champion's by more than this fraction (0.01: more than 1% lower); otherwise keep it as rejected.",
+    )
+    merge: bool = Field(
+        False, description="Also write merged/: the 4-bit base dequantized, the adapter merged in, saved as "
+        "safetensors with the tokenizer (loads with AutoModelForCausalLM, no peft needed).",
+    )
+    merged_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the merged model's weights.",
+    )
+    max_shard_size: str = Field("5GB", description="Largest safetensors shard of the merged model (save_pretrained).")
 
 
 class RunConfig(_Section):

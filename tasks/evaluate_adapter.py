@@ -1,9 +1,18 @@
-"""evaluate_adapter: base vs base + adapter on the held-out split -> metrics.json.
+"""evaluate_adapter: base vs base + adapter on the held-out split -> metrics.json, samples.jsonl.
 
-Reads eval.parquet (prepare_data), the 4-bit checkpoint (prepare_model) and the adapter
-(train_adapter). Computes the token-weighted mean loss over label tokens, and its perplexity, for the
-base model and then for the same model with the adapter, on the very same batches. Writes
-metrics.json and manifest.json into runs_dir/evaluate_adapter/<key>/.
+Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model) and the adapter
+(train_adapter). For the base model and then for the same model with the adapter, on the very same
+batches and prompts:
+
+- the token-weighted mean loss over label tokens, and its perplexity;
+- greedy answers to the first eval.generation_samples prompts (the tokens before each example's first
+  label token), scored against the reference answers (its label tokens): exact match and ROUGE-L;
+- optionally lm-evaluation-harness tasks (eval.lm_eval_tasks) when lm_eval is installed.
+
+Everything is deterministic (eval mode, greedy decoding, fixed batches): the same adapter and data give
+the same numbers. Writes metrics.json, samples.jsonl (prompt, reference, base and tuned answers, their
+scores), lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the
+samples also go to a Prefect table artifact.
 """
 
 from __future__ import annotations
@@ -19,11 +28,13 @@ from tasks.batches import ParquetExamples, pad_collator
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
+from tasks.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage
-from tasks.runtime import load_quantized
+from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.report import table_artifact
+from tasks.runtime import load_quantized, load_tokenizer
 
-VERSION = "1"
+VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
 
 
 def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> StageSpec:
@@ -36,7 +47,7 @@ def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_
 
 @task(name="evaluate_adapter", **stage_task_options(spec))
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
-    """Eval loss and perplexity of the base model and of base + adapter."""
+    """Eval loss, perplexity and generation metrics of the base model and of base + adapter."""
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage:
         if stage.done:
             return str(stage.dir)
@@ -46,18 +57,23 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
         if count == 0:
             raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
+        tokenizer = load_tokenizer(Path(model_dir))
         model = load_quantized(Path(model_dir))
         batches = _batches(examples, count, args.per_device_eval_batch_size, model.config.pad_token_id or 0)
-        base_loss, tokens = mean_loss(model, batches)
-        tuned = PeftModel.from_pretrained(model, Path(adapter_dir) / "adapter")
-        tuned_loss, _ = mean_loss(tuned, batches)
-        metrics = {"base_eval_loss": base_loss, "tuned_eval_loss": tuned_loss,
-                   "base_perplexity": math.exp(base_loss), "tuned_perplexity": math.exp(tuned_loss),
-                   "eval_examples": count, "eval_tokens": tokens,
-                   "relative_improvement": (base_loss - tuned_loss) / base_loss}
-        (stage.dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
+        run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
+        base = _evaluate(model, tokenizer, batches, prompts, args, run_lm_eval)
+        tuned = _evaluate(PeftModel.from_pretrained(model, Path(adapter_dir) / "adapter"), tokenizer, batches,
+                          prompts, args, run_lm_eval)
+        refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
+        samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs,
+                           base["answers"], tuned["answers"])
+        metrics = _metrics(base, tuned, refs, count, args)
+        outputs = _write(stage.dir, metrics, samples, base, tuned, run_lm_eval)
         logger().info("evaluate_adapter: %s", json.dumps(metrics))
-        stage.finish(["metrics.json"], metrics)
+        table_artifact("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
+                       f"model and by base + adapter (max {args.max_new_tokens} new tokens)")
+        stage.finish(outputs, metrics)
         return str(stage.dir)
 
 
@@ -65,6 +81,82 @@ def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> l
     collate = pad_collator(pad_id)
     return [collate([examples[i] for i in range(start, min(start + size, count))])
             for start in range(0, count, size)]
+
+
+def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
+              ) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt and reference token ids of the first `wanted` eval examples that have a masked prompt."""
+    if wanted and not (read_manifest(data_dir) or {}).get("metrics", {}).get("completion_only_loss", True):
+        logger().info("evaluate_adapter: no generation metrics: the data trains on whole texts, so examples "
+                      "have no prompt/answer split (data.completion_only_loss is off)")
+        return [], []
+    pairs = [p for p in (split_prompt(**examples[i]) for i in range(count)) if p is not None][:wanted]
+    return [p for p, _ in pairs], [r for _, r in pairs]
+
+
+def _evaluate(model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
+              args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
+    loss, tokens = mean_loss(model, batches)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
+                              tokenizer.pad_token_id, eos)
+    return {"loss": loss, "tokens": tokens, "answers": [tokenizer.decode(a, skip_special_tokens=True)
+                                                       for a in answers],
+            "lm_eval": _lm_eval(model, tokenizer, args) if run_lm_eval else None}
+
+
+def _samples(prompts: list[str], refs: list[str], base: list[str], tuned: list[str]) -> list[dict[str, Any]]:
+    return [{"prompt": p, "reference": r, "base_output": b, "tuned_output": t,
+             "base_exact_match": exact_match(b, r), "tuned_exact_match": exact_match(t, r),
+             "base_rouge_l": round(rouge_l(b, r), 4), "tuned_rouge_l": round(rouge_l(t, r), 4)}
+            for p, r, b, t in zip(prompts, refs, base, tuned, strict=True)]
+
+
+def _metrics(base: dict[str, Any], tuned: dict[str, Any], refs: list[str], count: int, args: EvalArgs
+             ) -> dict[str, Any]:
+    b, t = score(base["answers"], refs), score(tuned["answers"], refs)
+    metrics = {"base_eval_loss": base["loss"], "tuned_eval_loss": tuned["loss"],
+               "base_perplexity": math.exp(base["loss"]), "tuned_perplexity": math.exp(tuned["loss"]),
+               "eval_examples": count, "eval_tokens": base["tokens"],
+               "relative_improvement": (base["loss"] - tuned["loss"]) / base["loss"],
+               "base_exact_match": b["exact_match"], "tuned_exact_match": t["exact_match"],
+               "base_rouge_l": b["rouge_l"], "tuned_rouge_l": t["rouge_l"],
+               "generation_samples": len(refs), "max_new_tokens": args.max_new_tokens}
+    if args.lm_eval_tasks:
+        metrics["lm_eval"] = "lm_eval.json" if base["lm_eval"] is not None else "skipped: lm_eval not installed"
+    return metrics
+
+
+def _write(folder: Path, metrics: dict[str, Any], samples: list[dict[str, Any]], base: dict[str, Any],
+           tuned: dict[str, Any], run_lm_eval: bool) -> list[str]:
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    if not run_lm_eval:
+        return ["metrics.json", "samples.jsonl"]
+    (folder / "lm_eval.json").write_text(json.dumps({"base": base["lm_eval"], "tuned": tuned["lm_eval"]},
+                                                    indent=2, default=str))
+    return ["metrics.json", "samples.jsonl", "lm_eval.json"]
+
+
+def _lm_eval_available(tasks: list[str]) -> bool:
+    if not tasks:
+        return False
+    try:
+        import lm_eval  # noqa: F401 - optional dependency, only probed
+    except ImportError:
+        logger().warning("evaluate_adapter: eval.lm_eval_tasks=%s skipped: lm-evaluation-harness is not installed "
+                         "(pip install lm-eval; its tasks' datasets must be reachable or cached)", tasks)
+        return False
+    return True
+
+
+def _lm_eval(model: Any, tokenizer: Any, args: EvalArgs) -> dict[str, Any]:
+    """lm-evaluation-harness results per task for an in-memory model (base, or base + adapter)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.per_device_eval_batch_size)
+    return lm_eval.simple_evaluate(model=lm, tasks=list(args.lm_eval_tasks), limit=args.limit)["results"]
 
 
 def mean_loss(model: Any, batches: list[dict[str, Any]]) -> tuple[float, int]:

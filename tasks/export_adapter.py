@@ -1,27 +1,41 @@
-"""export_adapter: the adapter in PEFT format, ready to ship, with a model card and the run's config.
+"""export_adapter: the adapter ready to ship, published as a version in the exports registry.
 
-Reads the adapter (train_adapter), the tokenizer (prepare_model), metrics.json (evaluate_adapter) and
-the upstream manifests. Writes into runs_dir/export_adapter/<key>/: adapter_model.safetensors and
-adapter_config.json (loadable with PeftModel.from_pretrained), the tokenizer files, README.md (model
-card: base model, data fingerprint, settings, metrics, how to load) and run_config.yaml (the
-RunConfig sections that produced it).
+Reads the adapter (train_adapter), the 4-bit checkpoint and tokenizer (prepare_model), the metrics
+(evaluate_adapter) and the upstream manifests. Writes into runs_dir/export_adapter/<key>/ (the cached
+stage output): adapter_model.safetensors and adapter_config.json (loadable with
+PeftModel.from_pretrained), the tokenizer files, README.md (model card: metrics, base model and
+revision, data fingerprint, settings, how to load), run_config.yaml (the RunConfig sections that
+produced it) and, with export.merge, merged/ (base dequantized, adapter merged in; loads with
+AutoModelForCausalLM).
+
+Then publishes that folder as runs_dir/exports/<export.name>/vNNNN/ (tasks/registry.py): promoted to
+champion when its tuned eval loss beats the champion's by export.promotion_margin, else kept as a
+rejected candidate with the reason. Publishing happens once per stage key: a cached stage publishes
+nothing, and the manifest's metrics record the version and the verdict.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prefect import task
 
+from tasks import registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs
+from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.report import table_artifact
 
-VERSION = "1"
+VERSION = "2"  # 2: exports registry and promotion gate, merged model, generation metrics in the card
+
+METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
+               ("ROUGE-L", "rouge_l")]
 
 
 def spec(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
@@ -36,7 +50,7 @@ def spec(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapte
 @task(name="export_adapter", **stage_task_options(spec))
 def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
                    eval_dir: str) -> str:
-    """Copy the adapter and tokenizer, and write the model card and run config."""
+    """Write the adapter, tokenizer, model card and run config; publish them as a registry version."""
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir)) as stage:
         if stage.done:
             return str(stage.dir)
@@ -47,9 +61,58 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
         config = _run_config(manifests, args)
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        (stage.dir / "README.md").write_text(model_card(args.name, manifests, config))
-        stage.finish([*outputs, "run_config.yaml", "README.md"], {"name": args.name})
+        if args.merge:
+            outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
+        card = partial(model_card, args.name, manifests, config)
+        (stage.dir / "README.md").write_text(card(stage.dir, None))
+        eval_metrics = manifests["evaluate_adapter"]["metrics"]
+        record = registry.publish(registry.registry_dir(runs_dir, args.name), stage.dir, stage.key, eval_metrics,
+                                  args.promotion_margin, manifests["prepare_data"]["key"], card)
+        logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
+                      record["reason"])
+        table_artifact("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
+                       f"{args.name} {record['version']} {record['promotion']}: {record['reason']}")
+        stage.finish([*outputs, "run_config.yaml", "README.md"], _stage_metrics(args.name, record))
         return str(stage.dir)
+
+
+def _stage_metrics(name: str, record: dict[str, Any]) -> dict[str, Any]:
+    """The verdict, flat, for the manifest and the run summary."""
+    now = registry.champion(Path(record["path"]).parent)
+    return {"export_name": name, "export_version": record["version"], "export_path": record["path"],
+            "promotion": record["promotion"], "promotion_reason": record["reason"],
+            "champion_version": now and now["version"],
+            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"]}
+
+
+def _metrics_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rows base / tuned / champion (before this version's gate) for the eval-metrics table artifact."""
+    rows = [("base", "base", metrics), ("tuned", "tuned", metrics)]
+    if champion is not None:
+        rows.append((f"champion {champion['version']}", "tuned", champion["metrics"]))
+    return [{"model": label, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in METRIC_ROWS}}
+            for label, prefix, m in rows]
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[str]:
+    """Dequantize the 4-bit base, merge the adapter in, save safetensors and the tokenizer; the files written."""
+    import torch
+    from peft import PeftModel
+
+    from tasks.runtime import load_quantized
+
+    # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
+    # original full-precision ones, whose quantization error the adapter never saw)
+    base = load_quantized(model_dir).dequantize().to(getattr(torch, args.merged_dtype))
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(out, max_shard_size=args.max_shard_size)
+    _copy_files(model_dir, out, names=_tokenizer_files(model_dir))
+    logger().info("export_adapter: merged %s model (%s) in %s", args.merged_dtype, adapter, out)
+    return sorted(str(p.relative_to(out.parent)) for p in out.rglob("*") if p.is_file())
 
 
 def _tokenizer_files(model_dir: Path) -> list[str]:
@@ -70,14 +133,20 @@ def _run_config(manifests: dict[str, dict[str, Any]], args: ExportArgs) -> dict[
             "export": args.model_dump()}
 
 
-def model_card(name: str, manifests: dict[str, dict[str, Any]], config: dict[str, Any]) -> str:
-    """The README.md shipped with the adapter."""
+def model_card(name: str, manifests: dict[str, dict[str, Any]], config: dict[str, Any], folder: Path,
+               record: dict[str, Any] | None) -> str:
+    """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
     data, model = manifests["prepare_data"], manifests["prepare_model"]
     metrics = manifests["evaluate_adapter"]["metrics"]
-    base = config["model"]["base_model"]
-    rows = [("eval loss", "base_eval_loss", "tuned_eval_loss"), ("perplexity", "base_perplexity",
-                                                                  "tuned_perplexity")]
-    table = "\n".join(f"| {label} | {metrics[b]:.4f} | {metrics[t]:.4f} |" for label, b, t in rows)
+    base, quant = config["model"]["base_model"], config["model"]
+    revision = model["fingerprint"].get("hub_commit") or config["model"]["revision"]
+    table = "\n".join(f"| {label} | {_fmt(metrics.get('base_' + key))} | {_fmt(metrics.get('tuned_' + key))} |"
+                      for label, key in METRIC_ROWS)
+    verdict = "" if record is None else (f"\nRegistry: `{name}` **{record['version']}**, {record['promotion']}: "
+                                         f"{record['reason']}.\n")
+    merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
+              f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
+              if config["export"]["merge"] else "")
     return f"""---
 library_name: peft
 base_model: {base}
@@ -86,11 +155,9 @@ tags: [qlora, lora, peft]
 
 # {name}
 
-A LoRA adapter for `{base}` trained with QLoRA (4-bit {config['model']['bnb_4bit_quant_type']} base)
-by qlora-pipeline.
-
-- Base model: `{base}`, revision `{config['model']['revision'] or 'default'}`, fingerprint
-  `{json.dumps(model['fingerprint'])}`
+A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_type']} base) by qlora-pipeline.
+{verdict}
+- Base model: `{base}`, revision `{revision or 'local folder'}`, fingerprint `{json.dumps(model['fingerprint'])}`
 - Data: `{config['data']['source']}` ({data['metrics']['format']} format), fingerprint
   `{data['fingerprint']['data']}`; {data['metrics']['train_examples']} train and
   {data['metrics']['eval_examples']} eval examples, max {config['data']['max_seq_length']} tokens
@@ -98,7 +165,11 @@ by qlora-pipeline.
 - Training: `{json.dumps(config['train'])}`
 - Optimizer steps: {manifests['train_adapter']['metrics']['optimizer_steps']}
 
-## Evaluation ({metrics['eval_examples']} held-out examples, {metrics['eval_tokens']} label tokens)
+## Evaluation
+
+Loss and perplexity over {metrics['eval_examples']} held-out examples ({metrics['eval_tokens']} label tokens);
+exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 0)} held-out prompts (at most
+{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter.
 
 | metric | base | tuned |
 |---|---|---|
@@ -107,13 +178,17 @@ by qlora-pipeline.
 ## Load it
 
 ```python
+import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-base = AutoModelForCausalLM.from_pretrained("{base}", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
-model = PeftModel.from_pretrained(base, "path/to/this/folder")
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="{quant['bnb_4bit_quant_type']}",
+                           bnb_4bit_use_double_quant={quant['bnb_4bit_use_double_quant']},
+                           bnb_4bit_compute_dtype=torch.{model['metrics']['compute_dtype']})
+base = AutoModelForCausalLM.from_pretrained("{base}", revision={revision!r}, quantization_config=quant)
+model = PeftModel.from_pretrained(base, "{folder}")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
-
+{merged}
 The full settings are in `run_config.yaml`; `qlora-pipeline run --config run_config.yaml` retrains it.
 """

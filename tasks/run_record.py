@@ -30,7 +30,9 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
               for m, d in zip(manifests, stage_dirs, strict=True)}
     attempt = (current_run_attempt() or f"local-{os.getpid()}").replace(":", "-")
     run_dir = Path(config.runs_dir).resolve() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{attempt[:8]}"
-    metrics = next(m for m in manifests if m["stage"] == "evaluate_adapter")["metrics"]
+    by_stage = {m["stage"]: m["metrics"] for m in manifests}
+    # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason, champion_*)
+    metrics = {**by_stage["evaluate_adapter"], **by_stage.get("export_adapter", {})}
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
     run_dir.mkdir(parents=True, exist_ok=True)
     train_dir = Path(stages["train_adapter"]["dir"])

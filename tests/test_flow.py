@@ -28,7 +28,24 @@ def test_default_run_computes_every_stage_and_learns(default_run: dict[str, Any]
     assert set(statuses(summary).values()) == {"computed"}
     metrics = summary["metrics"]
     assert metrics["tuned_eval_loss"] <= 0.9 * metrics["base_eval_loss"]
+    assert metrics["tuned_rouge_l"] > metrics["base_rouge_l"] and metrics["generation_samples"] == 32
     assert (Path(summary["run_dir"]) / "run.json").is_file()
+
+
+def test_default_run_publishes_the_first_champion_and_eval_tables(default_run: dict[str, Any]) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    metrics = default_run["summary"]["metrics"]
+    assert (metrics["export_version"], metrics["promotion"], metrics["champion_version"]) == ("v0001", "promoted",
+                                                                                            "v0001")
+    assert Path(metrics["export_path"]) == default_run["runs_dir"].resolve() / "exports" / "adapter" / "v0001"
+    flow_run_id = Path(default_run["summary"]["run_dir"]).name.split("-")[-1]
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=["eval-samples", "eval-metrics"])))
+    tables = {a.key: a for a in found if str(a.flow_run_id).startswith(flow_run_id)}
+    assert set(tables) == {"eval-samples", "eval-metrics"} and tables["eval-metrics"].type == "table"
 
 
 def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -> None:
@@ -39,7 +56,7 @@ def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -
                                       "modules.json", "tokenizer.json", "tokenizer_config.json"]
     assert files["train_adapter"] == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                                       "loss.jsonl", "manifest.json"]
-    assert files["evaluate_adapter"] == ["manifest.json", "metrics.json"]
+    assert files["evaluate_adapter"] == ["manifest.json", "metrics.json", "samples.jsonl"]
     assert files["export_adapter"] == ["README.md", "adapter_config.json", "adapter_model.safetensors",
                                        "manifest.json", "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
 
@@ -82,6 +99,8 @@ def test_rerun_of_unchanged_config_is_cached_and_fast(default_run: dict[str, Any
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
     assert str(runs[0].id).startswith(flow_run_id)
     assert sorted(t.state.name for t in task_runs) == ["Cached"] * 5
+    exports = default_run["runs_dir"] / "exports" / "adapter"
+    assert sorted(p.name for p in exports.glob("v*")) == ["v0001"]  # a cached export publishes nothing
 
 
 def test_eval_only_change_recomputes_exactly_two_stages(default_run: dict[str, Any]) -> None:
@@ -89,3 +108,5 @@ def test_eval_only_change_recomputes_exactly_two_stages(default_run: dict[str, A
     assert statuses(summary) == {"prepare_data": "cached", "prepare_model": "cached", "train_adapter": "cached",
                                  "evaluate_adapter": "computed", "export_adapter": "computed"}
     assert summary["metrics"]["eval_examples"] == 40
+    assert summary["metrics"]["export_version"] == "v0002"  # a new export stage key: a new registry version
+    assert summary["metrics"]["promotion"] in {"promoted", "rejected"} and summary["metrics"]["promotion_reason"]

@@ -1,0 +1,89 @@
+"""Generation metrics for evaluate_adapter: held-out prompts, batched greedy answers, exact match, ROUGE-L.
+
+A tokenized eval example (input_ids, labels) carries its own prompt and reference: the prompt is every
+token before the first label token (masked from the loss with -100), the reference is the first run of
+label tokens after it (the first answer; later turns of a chat are left out).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+IGNORE = -100
+
+
+def split_prompt(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, reference ids) of one example; None when no prompt tokens are masked (plain text)."""
+    first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
+    if first is None or first == 0:
+        return None
+    end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE), len(labels))
+    return list(input_ids[:first]), list(labels[first:end])
+
+
+def normalize(text: str) -> str:
+    """Whitespace-insensitive form used by exact match: stripped, inner runs of whitespace as one space."""
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the texts are equal up to whitespace (case and punctuation count), else 0.0."""
+    return float(normalize(prediction) == normalize(reference))
+
+
+def rouge_tokens(text: str) -> list[str]:
+    """rouge_score's default tokenizer (no stemming): lowercase, runs of non-[a-z0-9] split words."""
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
+
+
+def lcs_length(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence, one DP row at a time (O(len(a) * len(b)) time)."""
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0  # row[j - 1] of the previous row
+        for j, y in enumerate(b, start=1):
+            diagonal, row[j] = row[j], diagonal + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 over rouge_tokens: LCS-based precision and recall, as rouge_score's rougeL fmeasure."""
+    pred, ref = rouge_tokens(prediction), rouge_tokens(reference)
+    common = lcs_length(pred, ref)
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def greedy_generate(model: Any, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
+                    eos_ids: list[int]) -> list[list[int]]:
+    """New tokens per prompt by greedy decoding, batch_size prompts at a time, each cut at its first eos."""
+    import torch
+
+    device = next(model.parameters()).device
+    model.eval()  # no LoRA dropout: greedy answers are then a pure function of the weights
+    outputs: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(map(len, batch))
+        # left padding: every prompt ends at the same column, so new tokens start together
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos_ids)
+        for row in out[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
+            outputs.append(row[:cut])
+    return outputs
+
+
+def score(predictions: list[str], references: list[str]) -> dict[str, float | None]:
+    """Mean exact match and ROUGE-L over the answers (None when there are none)."""
+    if not references:
+        return {"exact_match": None, "rouge_l": None}
+    n = len(references)
+    return {"exact_match": sum(map(exact_match, predictions, references)) / n,
+            "rouge_l": sum(map(rouge_l, predictions, references)) / n}

@@ -1,0 +1,260 @@
+"""evaluate_adapter and export_adapter alone (through .fn()), their metrics, and the exports registry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks import registry
+from tasks.config import EMBEDDED_DATA, DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, TrainArgs
+from tasks.evaluate_adapter import evaluate_adapter
+from tasks.export_adapter import export_adapter
+from tasks.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
+from tasks.manifest import MANIFEST, read_manifest
+from tasks.prepare_data import prepare_data
+from tasks.prepare_model import prepare_model
+from tasks.train_adapter import train_adapter
+
+SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """prepare_data, prepare_model and a few training steps on 200 sample rows; then one evaluation."""
+    runs = tmp_path_factory.mktemp("runs")
+    data = tmp_path_factory.mktemp("data") / "d.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    out: dict[str, Any] = {"runs": runs, "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
+                           "model": prepare_model.fn(ModelArgs(), runs)}
+    out["adapter"] = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=4, logging_steps=1), runs,
+                                      out["data"], out["model"])
+    out["eval"] = evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), runs, out["data"], out["model"], out["adapter"])
+    return out
+
+
+def _upstream(stages: dict[str, Any]) -> tuple[str, str, str, str]:
+    return stages["data"], stages["model"], stages["adapter"], stages["eval"]
+
+
+# --- metrics, checked by hand ---------------------------------------------------------------------------------
+
+def test_exact_match_ignores_whitespace_only() -> None:
+    assert exact_match("  A cat\n says meow. ", "A cat says meow.") == 1.0
+    assert exact_match("a cat says meow.", "A cat says meow.") == 0.0  # case counts
+    assert exact_match("A cat says meow", "A cat says meow.") == 0.0  # punctuation counts
+
+
+def test_rouge_l_by_hand() -> None:
+    # tokens: [the cat sat on the mat] vs [the cat is on the mat]; LCS = the cat on the mat = 5 of 6 and 6
+    assert rouge_l("The cat sat on the mat.", "the cat is on the mat") == pytest.approx(5 / 6)
+    # LCS 1 ("cat"): precision 1/1, recall 1/3 -> F1 = 2 * 1 * (1/3) / (1 + 1/3) = 0.5
+    assert rouge_l("cat", "the cat sat") == pytest.approx(0.5)
+    # [a lion says moo] vs [a cat says meow]: LCS "a says" = 2 of 4 and 4 -> 0.5
+    assert rouge_l("A lion says moo.", "A cat says meow.") == pytest.approx(0.5)
+    # order matters: LCS of [b a] and [a b] is 1 -> P = R = 1/2
+    assert rouge_l("b a", "a b") == pytest.approx(0.5)
+    assert rouge_l("Meow!", "meow") == 1.0 and rouge_l("", "meow") == 0.0 and rouge_l("dog", "cat") == 0.0
+    assert rouge_tokens("3 is larger-than 2.") == ["3", "is", "larger", "than", "2"]
+    assert lcs_length(list("ABCBDAB"), list("BDCABA")) == 4  # the textbook case (BCBA)
+
+
+def test_score_averages_over_answers() -> None:
+    got = score(["A cat says meow.", "cat"], ["A cat says meow.", "the cat sat"])
+    assert got == {"exact_match": 0.5, "rouge_l": pytest.approx((1.0 + 0.5) / 2)}
+    assert score([], []) == {"exact_match": None, "rouge_l": None}
+
+
+def test_prompt_is_the_masked_prefix_and_reference_the_first_answer() -> None:
+    ids, labels = [1, 10, 11, 20, 21, 2, 30, 40], [-100, -100, -100, 20, 21, 2, -100, 40]
+    assert split_prompt(ids, labels) == ([1, 10, 11], [20, 21, 2])
+    assert split_prompt([1, 5, 6], [1, 5, 6]) is None  # plain text: nothing masked, no prompt
+
+
+# --- evaluate_adapter ---------------------------------------------------------------------------------------------
+
+def test_evaluate_writes_metrics_and_samples(stages: dict[str, Any]) -> None:
+    folder = Path(stages["eval"])
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
+        "manifest.json", "metrics.json", "samples.jsonl"]
+    metrics = read_manifest(folder)["metrics"]
+    assert metrics == json.loads((folder / "metrics.json").read_text())
+    assert metrics["eval_examples"] == 12 and metrics["generation_samples"] == 6
+    samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6 and all(s["prompt"].endswith("### Response:\n") for s in samples)
+    for who in ("base", "tuned"):
+        scores = [rouge_l(s[f"{who}_output"], s["reference"]) for s in samples]
+        assert metrics[f"{who}_rouge_l"] == pytest.approx(sum(scores) / 6)
+        assert metrics[f"{who}_exact_match"] == sum(exact_match(s[f"{who}_output"], s["reference"])
+                                                    for s in samples) / 6
+    assert samples[0]["base_output"] != samples[0]["tuned_output"]  # the adapter changes the answers
+    assert "lm_eval" not in metrics
+
+
+def test_evaluate_is_deterministic(stages: dict[str, Any], tmp_path: Path) -> None:
+    again = Path(evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), tmp_path, stages["data"], stages["model"],
+                                     stages["adapter"]))
+    assert again != Path(stages["eval"])  # computed afresh in another runs_dir, not reused
+    for name in ("metrics.json", "samples.jsonl"):
+        assert (again / name).read_bytes() == (Path(stages["eval"]) / name).read_bytes()
+
+
+def test_lm_eval_tasks_skipped_with_a_note_when_not_installed(stages: dict[str, Any], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError, even if installed
+    args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["hellaswag"])
+    with caplog.at_level(logging.WARNING):
+        folder = Path(evaluate_adapter.fn(args, tmp_path, stages["data"], stages["model"], stages["adapter"]))
+    assert read_manifest(folder)["metrics"]["lm_eval"] == "skipped: lm_eval not installed"
+    assert "eval.lm_eval_tasks=['hellaswag'] skipped: lm-evaluation-harness is not installed" in caplog.text
+    assert not (folder / "lm_eval.json").exists()
+
+
+def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(stages: dict[str, Any], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+
+    class HFLM:  # records what the harness would be handed
+        def __init__(self, pretrained: Any, tokenizer: Any, batch_size: int) -> None:
+            self.model = pretrained
+
+    def simple_evaluate(model: HFLM, tasks: list[str], limit: int | None) -> dict[str, Any]:
+        calls.append({"peft": type(model.model).__name__.startswith("Peft"), "tasks": tasks, "limit": limit})
+        return {"results": {tasks[0]: {"acc,none": 0.25 + 0.5 * calls[-1]["peft"]}}}
+
+    fake = types.ModuleType("lm_eval")
+    fake.simple_evaluate = simple_evaluate
+    huggingface = types.ModuleType("lm_eval.models.huggingface")
+    huggingface.HFLM = HFLM
+    monkeypatch.setitem(sys.modules, "lm_eval", fake)
+    monkeypatch.setitem(sys.modules, "lm_eval.models", types.ModuleType("lm_eval.models"))
+    monkeypatch.setitem(sys.modules, "lm_eval.models.huggingface", huggingface)
+    args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["arc_easy"], limit=10)
+    folder = Path(evaluate_adapter.fn(args, tmp_path, stages["data"], stages["model"], stages["adapter"]))
+    assert calls == [{"peft": False, "tasks": ["arc_easy"], "limit": 10}, {"peft": True, "tasks": ["arc_easy"],
+                                                                           "limit": 10}]
+    assert json.loads((folder / "lm_eval.json").read_text()) == {"base": {"arc_easy": {"acc,none": 0.25}},
+                                                                 "tuned": {"arc_easy": {"acc,none": 0.75}}}
+    assert read_manifest(folder)["metrics"]["lm_eval"] == "lm_eval.json"
+
+
+# --- export_adapter -----------------------------------------------------------------------------------------------
+
+def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path: Path) -> None:
+    import bitsandbytes as bnb
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tasks.runtime import load_quantized
+
+    args = ExportArgs(merge=True, merged_dtype="float32")
+    folder = Path(export_adapter.fn(args, tmp_path, *_upstream(stages)))
+    files = sorted(str(p.relative_to(folder / "merged")) for p in (folder / "merged").rglob("*") if p.is_file())
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
+    assert set(read_manifest(folder)["outputs"]) >= {f"merged/{f}" for f in files}
+    ids = torch.tensor([[1, 37, 215, 96, 512, 7, 300, 44, 901, 12, 2]])
+    tuned = PeftModel.from_pretrained(load_quantized(Path(stages["model"])), Path(stages["adapter"]) / "adapter")
+    for module in tuned.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # bnb's CPU inference kernel (AVX512-BF16 CPUs) rounds to bf16; the reference must be the fp32 math
+            module.support_avx512bf16_for_cpu = False
+    merged = AutoModelForCausalLM.from_pretrained(folder / "merged", dtype=torch.float32)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules()) and not hasattr(
+        merged.config, "quantization_config")
+    with torch.no_grad():
+        want = tuned.eval()(input_ids=ids).logits
+        got = merged.eval()(input_ids=ids).logits
+    # Tolerance 1e-4 absolute on logits of magnitude ~1: both sides compute in fp32 from the same dequantized NF4
+    # weights, x @ (W + s*B@A)^T merged vs x @ W^T + s*(x @ A^T) @ B^T, so only the rounding order differs
+    # (measured 1.5e-6). A merging mistake is far above it: merging into the original (not dequantized) weights
+    # moved these logits by 0.2, and bnb's bf16 CPU kernel alone by 9e-3.
+    assert (got - want).abs().max().item() < 1e-4
+    # the default bf16 export rounds every weight to 8 significant bits (~0.4%): measured 1.2e-2, allowed 5e-2
+    bf16 = Path(export_adapter.fn(ExportArgs(merge=True), tmp_path, *_upstream(stages))) / "merged"
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()(input_ids=ids).logits
+    assert (got - want).abs().max().item() < 5e-2
+
+
+def test_model_card_has_metrics_settings_and_load_command(stages: dict[str, Any], tmp_path: Path) -> None:
+    folder = Path(export_adapter.fn(ExportArgs(name="cardtest"), tmp_path, *_upstream(stages)))
+    metrics = read_manifest(Path(stages["eval"]))["metrics"]
+    version = tmp_path.resolve() / "exports" / "cardtest" / "v0001"
+    for card in ((folder / "README.md").read_text(), (version / "README.md").read_text()):
+        for label, key in [("eval loss", "eval_loss"), ("perplexity", "perplexity"),
+                           ("exact match", "exact_match"), ("ROUGE-L", "rouge_l")]:
+            assert f"| {label} | {metrics['base_' + key]:.4f} | {metrics['tuned_' + key]:.4f} |" in card
+        data_manifest = read_manifest(Path(stages["data"]))
+        assert data_manifest["fingerprint"]["data"] in card
+        assert "base_model: " + str(ModelArgs().base_model) in card and "revision `local folder`" in card
+        assert '"r": 4, "lora_alpha": 8' in card and '"max_steps": 4' in card
+        assert 'bnb_4bit_quant_type="nf4"' in card and "revision=None" in card
+    card = (version / "README.md").read_text()
+    assert f'model = PeftModel.from_pretrained(base, "{version}")' in card
+    assert "Registry: `cardtest` **v0001**, promoted: first version" in card
+
+
+def test_registry_gate_promotes_first_rejects_worse_promotes_better(stages: dict[str, Any], tmp_path: Path) -> None:
+    source = tmp_path / "stage"
+    source.mkdir()
+    (source / "adapter_model.safetensors").write_bytes(b"weights")
+    (source / "README.md").write_text("stage card")
+    (source / MANIFEST).write_text("{}")
+    root = tmp_path / "exports" / "a"
+
+    def publish(key: str, loss: float) -> dict[str, Any]:
+        return registry.publish(root, source, key, {"tuned_eval_loss": loss}, 0.05, "evalsplit",
+                                lambda folder, record: f"card of {folder.name}: {record['promotion']}")
+
+    first = publish("k1", 2.0)
+    assert (first["version"], first["promotion"]) == ("v0001", "promoted")
+    worse = publish("k2", 1.95)  # 2.5% lower: not more than the 5% margin
+    assert (worse["version"], worse["promotion"]) == ("v0002", "rejected")
+    assert worse["reason"] == ("tuned eval loss 1.9500 does not beat champion v0001's 2.0000 by more than the "
+                               "5.0% margin (needed < 1.9000)")
+    better = publish("k3", 1.8)
+    assert (better["version"], better["promotion"]) == ("v0003", "promoted")
+    champion = registry.champion(root)
+    assert champion["version"] == "v0003" and champion["metrics"]["tuned_eval_loss"] == 1.8
+    # each version is a complete, separate folder with its verdict; none was overwritten
+    rejected = json.loads((root / "v0002" / "version.json").read_text())
+    assert rejected["promotion"] == "rejected" and rejected["reason"] == worse["reason"]
+    assert rejected["champion_before"]["version"] == "v0001"
+    assert (root / "v0001" / "README.md").read_text() == "card of v0001: promoted"
+    assert (root / "v0002" / "README.md").read_text() == "card of v0002: rejected"
+    assert (source / "README.md").read_text() == "stage card"  # the hard-linked source was not written through
+    assert not (root / "v0001" / MANIFEST).exists()
+    assert sorted(p.name for p in root.iterdir()) == ["champion.json", "v0001", "v0002", "v0003"]
+    # the same stage key again (its manifest lost after publishing) gets its version back, not a new one
+    assert publish("k2", 1.0)["version"] == "v0002" and len(registry.versions(root)) == 3
+
+
+def test_export_publishes_once_per_stage_key_and_records_the_verdict(stages: dict[str, Any], tmp_path: Path) -> None:
+    first = Path(export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages)))
+    root = tmp_path.resolve() / "exports" / "gate"
+    metrics = read_manifest(first)["metrics"]
+    assert metrics["export_version"] == "v0001" and metrics["promotion"] == "promoted"
+    assert metrics["champion_version"] == "v0001" and metrics["export_path"] == str(root / "v0001")
+    # a cached re-run (the stage folder is done) publishes nothing
+    assert export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages)) == str(first)
+    assert [r["version"] for r in registry.versions(root)] == ["v0001"]
+    # a lost manifest recomputes the stage under the same key: still v0001
+    (first / MANIFEST).unlink()
+    export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages))
+    assert [r["version"] for r in registry.versions(root)] == ["v0001"]
+    # new export settings = a new stage key = a new version; the same adapter does not beat itself by 1%
+    second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="2GB"), tmp_path, *_upstream(stages)))
+    metrics = read_manifest(second)["metrics"]
+    assert metrics["export_version"] == "v0002" and metrics["promotion"] == "rejected"
+    assert metrics["promotion_reason"].startswith("tuned eval loss") and "does not beat champion v0001" in (
+        metrics["promotion_reason"])
+    assert metrics["champion_version"] == "v0001"
+    assert json.loads((root / "v0002" / "version.json").read_text())["reason"] == metrics["promotion_reason"]

@@ -36,6 +36,15 @@ def stage_summary(manifest: dict[str, Any]) -> None:
                              description=f"{manifest['stage']}: inputs, outputs, timing")
 
 
+def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
+    """A table artifact (eval metrics, samples)."""
+    if not _in_run():
+        return
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(table=rows, key=key, description=description)
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 

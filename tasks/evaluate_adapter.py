@@ -24,6 +24,7 @@ from typing import Any
 
 from prefect import task
 
+from tasks import artifacts
 from tasks.batches import ParquetExamples, pad_collator
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
@@ -31,7 +32,6 @@ from tasks.errors import UserError
 from tasks.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
-from tasks.report import table_artifact
 from tasks.runtime import load_quantized, load_tokenizer
 
 VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
@@ -71,7 +71,7 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         metrics = _metrics(base, tuned, refs, count, args)
         outputs = _write(stage.dir, metrics, samples, base, tuned, run_lm_eval)
         logger().info("evaluate_adapter: %s", json.dumps(metrics))
-        table_artifact("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
+        artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
                        f"model and by base + adapter (max {args.max_new_tokens} new tokens)")
         stage.finish(outputs, metrics)
         return str(stage.dir)

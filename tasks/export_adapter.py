@@ -25,12 +25,11 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import registry
+from tasks import artifacts, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
-from tasks.report import table_artifact
 
 VERSION = "2"  # 2: exports registry and promotion gate, merged model, generation metrics in the card
 
@@ -70,7 +69,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                                   args.promotion_margin, manifests["prepare_data"]["key"], card)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
-        table_artifact("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
+        artifacts.table("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
                        f"{args.name} {record['version']} {record['promotion']}: {record['reason']}")
         stage.finish([*outputs, "run_config.yaml", "README.md"], _stage_metrics(args.name, record))
         return str(stage.dir)

@@ -26,9 +26,9 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
                           packing=False, per_device_train_batch_size=8 // processes)  # same global batch
         folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, runs, data_dir, model_dir))
         manifest = read_manifest(folder)
-        results[processes] = {"metrics": manifest["metrics"],
-                              "adapter": load_file(folder / "adapter" / "adapter_model.safetensors"),
-                              "losses": [json.loads(x)["loss"] for x in (folder / "loss.jsonl").read_text().splitlines()]}
+        log = (folder / "loss.jsonl").read_text().splitlines()
+        results[processes] = {"metrics": manifest["metrics"], "losses": [json.loads(x)["loss"] for x in log],
+                              "adapter": load_file(folder / "adapter" / "adapter_model.safetensors")}
     one, two = results[1], results[2]
     assert two["metrics"]["processes"] == 2 and one["metrics"]["processes"] == 1
     assert two["metrics"]["optimizer_steps"] == one["metrics"]["optimizer_steps"] == 12

@@ -173,7 +173,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
     assert {k: v[-1] for k, v in _task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
     keys = _artifact_keys(first.id)
     assert {"prepare-data", "prepare-model", "train-adapter", "evaluate-adapter", "export-adapter",
-            "train-progress", "loss-curve"} <= keys
+            "train-progress", "loss-curve", "eval-samples", "eval-metrics"} <= keys
     assert list((tmp_path / "runs" / "runs").glob("*/loss.png"))
 
     again = _wait(_start_run("embedded-default", config))

@@ -58,11 +58,25 @@ def statuses(summary: dict[str, Any]) -> dict[str, str]:
     return {stage: info["status"] for stage, info in summary["stages"].items()}
 
 
-def cli(args: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
-    """Start the real `qlora-pipeline` command in its own process group (so a kill reaches its server)."""
+def cli(args: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen:
+    """Start the real `qlora-pipeline` command in its own process group (so a kill reaches its server).
+
+    Output goes to logs.out / logs.err files, never to pipes: a pipe nobody reads fills up and blocks the
+    run mid-training (while it holds a stage lock).
+    """
     return subprocess.Popen([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **popen)
+                            stdout=logs.with_suffix(".out").open("w"), stderr=logs.with_suffix(".err").open("w"),
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, logs: Path, timeout: float) -> tuple[str, str]:
+    """Wait for a cli() process; its stdout and stderr."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        raise
+    return logs.with_suffix(".out").read_text(), logs.with_suffix(".err").read_text()
 
 
 def cli_env(prefect_home: Path) -> dict[str, str]:

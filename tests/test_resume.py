@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, cli_env, last_json, run_flow, small_overrides, statuses
+from tests.conftest import cli, cli_env, finish, last_json, run_flow, small_overrides, statuses
 
 ALL_COMPUTED = dict.fromkeys(
     ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"], "computed")
@@ -47,21 +47,23 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
     args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
         small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 5})), [])]
     env = cli_env(tmp_path / "prefect")
-    proc = cli(args, env)
+    proc = cli(args, env, tmp_path / "first")
     checkpoints = tmp_path / "runs" / "train_adapter"
-    deadline = time.time() + 240
-    while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "no checkpoint written in time"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    deadline = time.time() + 600
+    try:
+        while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
+            assert proc.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+            assert time.time() < deadline, "no checkpoint written in time"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its temporary Prefect server
+        proc.wait()
     saved = max(int(p.parent.name.split("-")[1]) for p in checkpoints.glob("*/checkpoints/checkpoint-*/complete"))
     assert saved < steps
 
-    rerun = cli(args, env)
-    out, err = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, err
+    rerun = cli(args, env, tmp_path / "rerun")
+    out, err = finish(rerun, tmp_path / "rerun", timeout=900)
+    assert rerun.returncode == 0, err[-3000:]
     summary = last_json(out)
     train = summary["stages"]["train_adapter"]
     assert train["status"] == "resumed"
@@ -76,11 +78,11 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
 def test_two_concurrent_runs_train_once(small_data: Path, tmp_path: Path) -> None:
     args = ["run", "--json", *sum((["--set", o] for o in small_overrides(small_data, tmp_path / "runs")), [])]
     # separate Prefect homes: only the stage folder lock can keep them from training twice
-    procs = [cli(args, cli_env(tmp_path / f"prefect{i}")) for i in range(2)]
+    procs = [cli(args, cli_env(tmp_path / f"prefect{i}"), tmp_path / f"run{i}") for i in range(2)]
     summaries = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err
+    for i, proc in enumerate(procs):
+        out, err = finish(proc, tmp_path / f"run{i}", timeout=900)
+        assert proc.returncode == 0, err[-3000:]
         summaries.append(last_json(out))
     train_status = sorted(s["stages"]["train_adapter"]["status"] for s in summaries)
     assert train_status == ["cached", "computed"]

@@ -9,6 +9,7 @@ from tasks.errors import UserError
 from tasks.manifest import current_run_attempt
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
+LEASE_SECONDS = 30
 
 
 @contextmanager
@@ -23,7 +24,10 @@ def gpu_slot() -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     try:
-        with concurrency(GPU_LIMIT, occupy=1, strict=True):
+        # A short lease, renewed in the background while training runs: a run killed with -9 frees the slot
+        # within LEASE_SECONDS instead of blocking the next run; a renewal hiccup does not kill the training.
+        with concurrency(GPU_LIMIT, occupy=1, strict=True, lease_duration=LEASE_SECONDS,
+                         raise_on_lease_renewal_failure=False):
             yield
     except Exception as exc:
         if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect

@@ -9,7 +9,7 @@ from tasks.errors import UserError
 from tasks.manifest import current_run_attempt
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
-LEASE_SECONDS = 30
+LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts
 
 
 @contextmanager
@@ -32,5 +32,6 @@ def gpu_slot() -> Iterator[None]:
     except Exception as exc:
         if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
             raise
-        raise UserError(f"The global concurrency limit {GPU_LIMIT!r} does not exist on this Prefect server, so "
-                        "training cannot take the GPU slot. Run `qlora-pipeline setup` once.") from exc
+        raise UserError(f"Training could not take the GPU slot of the global concurrency limit {GPU_LIMIT!r}: "
+                        f"{exc}. If the limit does not exist on this Prefect server, run `qlora-pipeline setup` "
+                        "once.") from exc

@@ -133,9 +133,11 @@ def _run(config: Any, as_json: bool) -> int:
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
+    from tasks.limits import uses_server
 
     _quiet_user_errors()
-    ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
+    if uses_server():
+        ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
         summary = qlora_pipeline(config=config)
     except UserError as exc:

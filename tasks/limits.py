@@ -12,13 +12,24 @@ GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipe
 LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts
 
 
+def uses_server() -> bool:
+    """True when runs go to a Prefect server (PREFECT_API_URL), where several runs can compete for the GPU.
+
+    A run without one gets a temporary server of its own, which no other run shares; taking the slot there
+    guards nothing, and on that SQLite-backed temporary server it was seen to block the run indefinitely.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
 @contextmanager
 def gpu_slot() -> Iterator[None]:
     """Hold the one GPU-training slot while training; strict, so a missing limit is an error.
 
-    Outside a flow run (a stage called through .fn()) there is no Prefect server to hold a slot on.
+    Outside a flow run (a stage called through .fn()), or without a Prefect server, there is nothing to hold.
     """
-    if current_run_attempt() is None:
+    if current_run_attempt() is None or not uses_server():
         yield
         return
     from prefect.concurrency.sync import concurrency

@@ -30,6 +30,7 @@ from tasks.caching import stage_task_options
 from tasks.config import ExportArgs
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.runtime import TOKENIZER_FILES
 
 VERSION = "2"  # 2: exports registry and promotion gate, merged model, generation metrics in the card
 
@@ -115,8 +116,7 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
 
 
 def _tokenizer_files(model_dir: Path) -> list[str]:
-    return [p.name for p in model_dir.iterdir() if p.name.startswith(("tokenizer", "special_tokens",
-                                                                       "chat_template"))]
+    return [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
 
 
 def _copy_files(src: Path, dst: Path, names: list[str] | None = None) -> list[str]:

@@ -359,7 +359,7 @@ def micro_batch_tokens(budget_gb: float, used_bytes: int, config: Any, offload: 
 
 OWN_FIELDS = ("packing", "max_tokens_per_batch", "gpu_memory_budget_gb", "offload_activations",
               "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel", "mlp_chunk_tokens",
-              "num_gpus")  # TrainArgs fields that are not the Trainer's
+              "num_gpus", "fused_lora")  # TrainArgs fields that are not the Trainer's
 AUTO_MAX_TOKENS = 16384  # more tokens per micro-batch gained 2% on an H200 (8B) for 3.4 GiB more
 
 
@@ -389,6 +389,24 @@ def prepare_base(model: Any, train: Any) -> list[str]:
     if train.fused_cross_entropy and use_fused_loss(model):
         applied.append("fused cross-entropy")
     return applied
+
+
+def prepare_peft(model: Any, train: Any) -> Any:
+    """After get_peft_model: each LoRA layer as one autograd function (tasks/fused_lora.py). Returns the model."""
+    import torch
+
+    from tasks.fused_lora import fuse_lora_layers
+
+    wanted = train.fused_lora
+    if wanted is None:  # FSDP shards the base weights that the fused backward reads back
+        wanted = not getattr(train, "fsdp", False)
+    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if wanted else []
+    dropout = [d.p for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()
+               if isinstance(d, torch.nn.Dropout) and d.p > 0]
+    if applied and dropout:
+        applied.append(f"except in training, where lora_dropout {max(dropout)} keeps peft's own path")
+    logger().info("train_adapter: %s", ", ".join(applied) or "peft's own LoRA layers")
+    return model
 
 
 LAST_CHOICE: dict[str, Any] = {}  # the latest training_batches choice, for the out-of-memory back-off

@@ -140,7 +140,7 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs) -> Any:
     applied = speed.prepare_base(model, train)
     logger().info("train_adapter: %s", ", ".join(applied) or "no speed levers apply on this device")
     set_seed(train.seed)  # LoRA's A matrices are drawn here
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump()))
+    return speed.prepare_peft(get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())), train)
 
 
 def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path, model_dir: Path) -> Any:

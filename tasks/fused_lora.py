@@ -1,0 +1,194 @@
+"""A LoRA-wrapped linear layer as one autograd Function: fewer ops, autograd nodes and Python calls per step.
+
+peft runs each LoRA layer as a base-layer module call (bitsandbytes' Linear4bit -> MatMul4Bit), a clone,
+dropout, lora_A and lora_B module calls with their dtype casts, a scale and an add: about a dozen ops and
+half a dozen autograd nodes per projection, three times per micro-step with checkpointing (forward,
+recompute, backward). On a GPU with small micro-batches that host-side work, not the GPU, sets the speed.
+Here the same maths runs as
+
+    y = x @ W.T + scale * (x @ A.T) @ B.T        (W: the frozen base weight, 4-bit or not)
+
+in one compute dtype inside one torch.autograd.Function, whose backward dequantizes W again rather than
+keeping it (memory) and returns grad_x, grad_A, grad_B. Only forward and backward change: the parameters,
+their names and the saved adapter stay peft's own. A layer falls back to peft's forward whenever the fused
+maths would differ: dropout > 0 in training, merged or disabled adapters, several active adapters, DoRA
+and other variants, extra forward arguments, a trainable base weight or bias.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+PATCHED = "_qlora_fused_forward"  # attribute marking a layer whose forward is ours
+
+
+def fuse_lora_layers(model: Any) -> int:
+    """Give every peft LoRA linear layer over an nn.Linear or bitsandbytes Linear4bit the fused forward.
+    Returns how many layers got it."""
+    count = 0
+    for module in model.modules():
+        if type(module) in _lora_types() and _base_kind(module.get_base_layer()) and not hasattr(module, PATCHED):
+            original = module.forward
+            module.forward = types.MethodType(functools.partial(_forward, original=original), module)
+            setattr(module, PATCHED, original)
+            count += 1
+    return count
+
+
+def unfuse_lora_layers(model: Any) -> int:
+    """Undo fuse_lora_layers; returns how many layers were restored."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, PATCHED):
+            del module.forward  # the instance attribute; the class's forward shows again
+            delattr(module, PATCHED)
+            count += 1
+    return count
+
+
+@functools.cache
+def _lora_types() -> tuple[type, ...]:
+    from peft.tuners.lora import Linear as LoraLinear
+
+    types_: list[type] = [LoraLinear]
+    try:
+        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+        types_.append(LoraLinear4bit)
+    except ImportError:  # peft without bitsandbytes support
+        pass
+    return tuple(types_)
+
+
+def _base_kind(base: Any) -> str | None:
+    """'4bit' for bitsandbytes' Linear4bit, 'linear' for a plain nn.Linear, else None (not fused)."""
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+
+        if isinstance(base, bnb.nn.Linear4bit):
+            return "4bit"
+    except ImportError:
+        pass
+    return "linear" if type(base) is torch.nn.Linear else None
+
+
+def _dropout_free(dropout: Any) -> bool:
+    import torch
+
+    return type(dropout) is torch.nn.Identity or (isinstance(dropout, torch.nn.Dropout)
+                                                   and (dropout.p == 0 or not dropout.training))
+
+
+def _forward(self: Any, x: torch.Tensor, *args: Any, original: Any, **kwargs: Any) -> torch.Tensor:
+    """The fused forward of a peft LoRA layer, or peft's own where the fused maths would differ."""
+    import torch
+
+    if args or kwargs or self.disable_adapters or self.merged:
+        return original(x, *args, **kwargs)
+    active = self.active_adapters
+    if len(active) != 1 or active[0] not in self.lora_A or active[0] in self.lora_variant:
+        return original(x, *args, **kwargs)
+    name = active[0]
+    base = self.get_base_layer()
+    if not _dropout_free(self.lora_dropout[name]) or base.weight.requires_grad or (
+            base.bias is not None and base.bias.requires_grad):
+        return original(x, *args, **kwargs)
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
+    kind = _base_kind(base)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if kind == "4bit":
+        if getattr(base.weight, "quant_state", None) is None or getattr(
+                base.weight.quant_state, "packing_format_for_cpu", False):
+            return original(x, *args, **kwargs)  # bnb's CPU inference layout: its own kernel
+        if not base.compute_type_is_set:
+            base.set_compute_type(x)
+            base.compute_type_is_set = True
+        base_dtype = base.compute_dtype or x.dtype
+    else:
+        base_dtype = base.weight.dtype
+    if autocast:
+        # peft's lora_A/lora_B run in the autocast dtype; bnb's matmul does too where it falls back to F.linear
+        dtype = torch.get_autocast_dtype(x.device.type)
+        out_dtype = torch.promote_types(x.dtype, dtype) if kind == "4bit" else dtype
+    elif x.dtype == base_dtype == a.dtype == b.dtype:
+        dtype = out_dtype = x.dtype
+    else:
+        return original(x, *args, **kwargs)  # peft casts between dtypes here; keep its exact rounding
+    return _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype)
+
+
+def _base_matmul(base: Any, kind: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T (+ frozen bias) in x's dtype, without autograd (called inside the Function)."""
+    import torch
+
+    if kind == "4bit":
+        import bitsandbytes as bnb
+
+        bias = None if base.bias is None else _cast(base.bias, x.dtype)
+        # grad mode is off in a Function's forward: bnb calls its gemm_4bit op directly, as MatMul4Bit does
+        return bnb.matmul_4bit(x, base.weight, bias=bias, quant_state=base.weight.quant_state)
+    bias = None if base.bias is None else _cast(base.bias, x.dtype)
+    return torch.nn.functional.linear(x, _cast(base.weight, x.dtype), bias)
+
+
+def _base_weight(base: Any, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """W (out x in) in dtype: dequantized again for the backward pass, never kept between passes."""
+    if kind == "4bit":
+        import bitsandbytes.functional as bnb_f
+
+        return _cast(bnb_f.dequantize_4bit(base.weight.data.view(-1, 1), base.weight.quant_state), dtype)
+    return _cast(base.weight, dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # no dispatcher call when there is nothing to do
+
+
+@functools.cache
+def _function() -> Any:
+    import torch
+
+    class _FusedLoraLinear(torch.autograd.Function):
+        """y = x @ W.T + scale * (x @ A.T) @ B.T; gradients for x, A and B."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, base: Any, kind: str,
+                    scale: float, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+            shape = x.shape
+            x2 = _cast(x.reshape(-1, shape[-1]), dtype)
+            a_c, b_c = _cast(a, dtype), _cast(b, dtype)
+            xa = torch.mm(x2, a_c.t())  # (tokens, r)
+            out = _base_matmul(base, kind, x2)
+            if out.dtype == dtype:
+                out = out.addmm_(xa, b_c.t(), alpha=scale)
+            else:
+                out = out + scale * torch.mm(xa, b_c.t())
+            ctx.base, ctx.kind, ctx.scale, ctx.dtype, ctx.x_dtype, ctx.shape = base, kind, scale, dtype, x.dtype, shape
+            ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, xa if ctx.needs_input_grad[2] else None,
+                                  a, b)
+            return _cast(out.view(*shape[:-1], out.shape[-1]), out_dtype)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            x2, xa, a, b = ctx.saved_tensors
+            dtype, scale = ctx.dtype, ctx.scale
+            g = _cast(grad.reshape(-1, grad.shape[-1]), dtype)
+            grad_x = grad_a = grad_b = None
+            g_xa = torch.mm(g, _cast(b, dtype)).mul_(scale)  # gradient at x @ A.T, (tokens, r)
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.mm(g, _base_weight(ctx.base, ctx.kind, dtype)).addmm_(g_xa, _cast(a, dtype))
+                grad_x = _cast(grad_x.view(ctx.shape), ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_a = _cast(torch.mm(g_xa.t(), x2), a.dtype)
+            if ctx.needs_input_grad[2]:
+                grad_b = _cast(torch.mm(g.t(), xa).mul_(scale), b.dtype)
+            return grad_x, grad_a, grad_b, None, None, None, None, None
+
+    return _FusedLoraLinear

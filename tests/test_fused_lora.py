@@ -1,0 +1,184 @@
+"""train.fused_lora: each LoRA layer as one autograd Function gives peft's outputs and gradients, and a training
+run with it gives the same losses and a normal PEFT adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, TrainArgs
+
+torch = pytest.importorskip("torch")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _lora_model(base: str, dropout: float = 0.0) -> Any:
+    """The real tiny Llama (4-bit NF4 with double quantization, or plain fp32) with LoRA on all projections and
+    non-zero B matrices, so every gradient carries a value."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    extra: dict[str, Any] = {}
+    if base == "4bit":
+        extra["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32, device_map="cpu", **extra)
+    model.config.use_cache = False
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, lora_dropout=dropout, target_modules=ALL))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.train()
+
+
+def _loss_and_grads(model: Any, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.randint(3, 1000, (2, 37), generator=torch.Generator().manual_seed(2))
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(inputs_embeds=embeds, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), {**grads, "inputs_embeds": embeds.grad}
+
+
+def _q_proj(model: Any) -> Any:
+    return model.get_base_model().model.layers[0].self_attn.q_proj
+
+
+def _runs_fused(layer: Any) -> bool:
+    x = torch.randn(3, layer.in_features, requires_grad=True)
+    return type(layer(x).grad_fn).__name__ == "_FusedLoraLinearBackward"
+
+
+@pytest.mark.parametrize("base", ["4bit", "linear"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_layers_give_peft_outputs_and_gradients(base: str, autocast: bool) -> None:
+    from tasks.fused_lora import fuse_lora_layers
+
+    reference = _loss_and_grads(_lora_model(base), autocast)
+    model = _lora_model(base)
+    names = set(model.state_dict())
+    assert fuse_lora_layers(model) == 4 * len(ALL)
+    assert _runs_fused(_q_proj(model))
+    loss, grads = _loss_and_grads(model, autocast)
+    assert set(model.state_dict()) == names  # forward and backward change, the parameters do not
+    assert grads.keys() == reference[1].keys() and len(grads) == 2 * 4 * len(ALL) + 1
+    if not autocast:  # the same maths in another order
+        torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=0)
+        for name, grad in reference[1].items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
+        return
+    # bf16: both paths round every matmul, in different places; the fused one must be as close to the exact
+    # (fp32) result as peft's own bf16 path is
+    exact = _loss_and_grads(_lora_model(base), False)
+    torch.testing.assert_close(loss, reference[0], rtol=1e-2, atol=0)
+    for name, grad in exact[1].items():
+        peft_error = float((reference[1][name] - grad).norm() / grad.norm())
+        fused_error = float((grads[name] - grad).norm() / grad.norm())
+        assert fused_error < 1.5 * peft_error + 2e-3 and fused_error < 0.05, (name, fused_error, peft_error)
+
+
+def test_single_layer_matches_peft_in_fp32_and_bf16() -> None:
+    """One 4-bit LoRA layer alone: output and the gradients of x, A and B, at tight tolerances."""
+    from tasks.fused_lora import fuse_lora_layers, unfuse_lora_layers
+
+    model = _lora_model("4bit")
+    layer = _q_proj(model)
+    for autocast, tol in ((False, 1e-5), (True, 1e-2)):
+        results = []
+        for fused in (False, True):
+            (fuse_lora_layers if fused else unfuse_lora_layers)(model)
+            assert _runs_fused(layer) == fused
+            x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(x)
+            (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            results.append((y.detach(), x.grad, a.grad, b.grad))
+            a.grad = b.grad = None
+        for got, want in zip(results[1], results[0], strict=True):
+            assert got.dtype == want.dtype
+            assert float((got - want).norm() / want.norm()) < tol
+
+
+def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
+    from tasks.fused_lora import fuse_lora_layers
+
+    model = _lora_model("4bit", dropout=0.1)
+    fuse_lora_layers(model)
+    layer = _q_proj(model)
+    assert not _runs_fused(layer)  # dropout is active in training: peft's own path, with its dropout
+    model.eval()
+    assert _runs_fused(layer)  # dropout is off in eval
+    x = torch.randn(4, layer.in_features)
+    with model.disable_adapter():
+        assert not _runs_fused(layer)
+        torch.testing.assert_close(layer(x), layer.get_base_layer()(x))
+    plain = _lora_model("linear")
+    fuse_lora_layers(plain)
+    layer = _q_proj(plain)
+    fused_out = layer(x)
+    layer.merge()
+    assert not _runs_fused(layer)
+    torch.testing.assert_close(layer(x), fused_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from tasks.prepare_data import prepare_data
+    from tasks.prepare_model import prepare_model
+
+    runs = tmp_path_factory.mktemp("runs")
+    data = tmp_path_factory.mktemp("data") / "d.jsonl"
+    data.write_text("".join((EMBEDDED_MODEL.parent / "sample" / "instructions.jsonl").read_text()
+                            .splitlines(keepends=True)[:120]))
+    return {"runs": str(runs), "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
+            "model": prepare_model.fn(ModelArgs(), runs)}
+
+
+def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stages: dict[str, str]) -> None:
+    from peft import PeftModel
+
+    from tasks.runtime import load_quantized
+    from tasks.train_adapter import train_adapter
+
+    folders, losses = {}, {}
+    for fused in (False, True):
+        train = TrainArgs(max_steps=4, save_steps=10, logging_steps=1, fused_lora=fused,
+                          per_device_train_batch_size=4)
+        folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, Path(stages["runs"]), stages["data"],
+                                       stages["model"]))
+        folders[fused] = folder
+        losses[fused] = [json.loads(line)["loss"] for line in (folder / "loss.jsonl").read_text().splitlines()]
+    assert folders[True] != folders[False] and len(losses[True]) == 4
+    assert losses[True][0] != losses[True][-1]  # it trained
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
+    ids = torch.randint(3, 1000, (1, 24), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for fused, folder in folders.items():
+        model = PeftModel.from_pretrained(load_quantized(Path(stages["model"])), folder / "adapter").eval()
+        with torch.no_grad():
+            logits[fused] = model(input_ids=ids).logits
+    base = load_quantized(Path(stages["model"])).eval()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    assert float((logits[True] - plain).abs().max()) > 1e-3  # the adapter changes the outputs
+    torch.testing.assert_close(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+
+
+def test_prepare_peft_fuses_by_default_and_not_when_off() -> None:
+    from tasks import speed
+    from tasks.fused_lora import PATCHED
+
+    for setting, expected in ((None, 4 * len(ALL)), (True, 4 * len(ALL)), (False, 0)):
+        model = speed.prepare_peft(_lora_model("linear"), TrainArgs(fused_lora=setting))
+        assert sum(hasattr(m, PATCHED) for m in model.modules()) == expected

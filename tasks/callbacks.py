@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from tasks.artifacts import TrainingProgress
@@ -62,6 +64,33 @@ class Progress(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.start, self.first_step, self.collator.real_tokens = time.time(), state.global_step, 0
+        self.marks = [(time.perf_counter(), 0)]  # (time, real tokens so far) at the start and after each step
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if torch.cuda.is_available():  # the step's kernels are done: its time is real, not queued
+            torch.cuda.synchronize()
+        self.marks.append((time.perf_counter(), self.collator.real_tokens))
+
+    def summary(self) -> dict[str, float]:
+        """Real (non-padding) tokens/s of all ranks together, from the end of the first optimizer step (warm-up)
+        to the end of the last, and the peak GPU memory of the busiest rank. Every rank must call it."""
+        marks = self.marks[1:] if len(self.marks) >= 3 else self.marks
+        (t0, k0), (t1, k1) = marks[0], marks[-1]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        tokens, seconds = float(k1 - k0), max(t1 - t0, 1e-9)
+        if dist.is_available() and dist.is_initialized():
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            total = torch.tensor([tokens], dtype=torch.float64, device=device)
+            slowest = torch.tensor([seconds, peak], dtype=torch.float64, device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            tokens, (seconds, peak) = total.item(), slowest.tolist()
+        out = {"real_tokens_per_s": round(tokens / seconds, 1)}
+        if torch.cuda.is_available():
+            out["peak_gpu_allocated_gib"] = round(peak, 2)
+        return out
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not logs or "loss" not in logs or not state.is_world_process_zero:

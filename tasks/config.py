@@ -73,6 +73,11 @@ class ModelArgs(_Section):
         "auto", description="Matmul dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
+        "uint8", description="Element type the packed 4-bit weights are stored in (the bits are the same). "
+        "train.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs), so FSDP can shard the 4-bit "
+        "layers together with the rest of each decoder layer.",
+    )
 
 
 class LoraArgs(_Section):
@@ -93,6 +98,12 @@ class TrainArgs(_Section):
     num_gpus: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         1, description="Data-parallel processes (torchrun + DDP), one per GPU; 'auto' = every visible GPU. "
         "On a machine without GPUs, N > 1 runs N CPU processes with the gloo backend.",
+    )
+    fsdp: bool = Field(
+        False, description="With num_gpus > 1: shard the 4-bit base model, the LoRA weights, their gradients and "
+        "optimizer state across the GPUs (FSDP2) instead of a full copy per GPU (DDP), for models whose training "
+        "does not fit one GPU. Needs model.bnb_4bit_quant_storage equal to the compute dtype; GPUs only; trains with "
+        "optim adamw_torch (bitsandbytes' optimizers cannot update sharded parameters).",
     )
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
@@ -209,6 +220,17 @@ class RunConfig(_Section):
     def _check_target_modules(self) -> RunConfig:
         if not self.lora.target_modules:
             raise ValueError("lora.target_modules is empty: name at least one module, e.g. q_proj")
+        return self
+
+    @model_validator(mode="after")
+    def _check_fsdp(self) -> RunConfig:
+        storage, compute = self.model.bnb_4bit_quant_storage, self.model.bnb_4bit_compute_dtype
+        if self.train.fsdp and (storage == "uint8" or compute not in ("auto", storage)):
+            raise ValueError(
+                f"train.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+                f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
+                f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}."
+            )
         return self
 
 

@@ -1,11 +1,12 @@
 """Data-parallel train_adapter: one process per GPU through torchrun, never a home-made launcher.
 
 train_adapter (the Prefect task) stays in the parent process: it takes the stage lock and the GPU slot,
-starts `torchrun --standalone --nproc_per_node N -m tasks.distributed ARGS.json` and, once every rank
-has exited cleanly, writes the manifest from what rank 0 reported. Each rank loads the 4-bit model on
-its own GPU (LOCAL_RANK) and the transformers Trainer wraps it in DDP; checkpoints, resume and the loss
-log are rank 0's. On a machine without GPUs the ranks are CPU processes with the gloo backend (how the
-CPU tests exercise this path). Multi-node: see the README's "Multi-GPU" section.
+starts torchrun (`python -m tasks.distributed launch PID --standalone --nproc_per_node N -m tasks.distributed
+ARGS.json`: torch.distributed.run's own main, in a process that ends with the task) and, once every rank has
+exited cleanly, writes the manifest from what rank 0 reported. Each rank loads the 4-bit model on its own
+GPU (LOCAL_RANK); the transformers Trainer wraps it in DDP, or with train.fsdp shards it with FSDP2.
+Checkpoints, resume and the loss log are rank 0's. On a machine without GPUs the ranks are CPU processes
+with the gloo backend (how the CPU tests exercise this path). Multi-node: see the README's "Multi-GPU".
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,8 @@ from tasks.log import logger
 
 RESULT = ".rank0-result.json"  # rank 0's metrics, read by the parent
 USER_ERROR_PREFIX = "QLORA_USER_ERROR: "
+LAUNCHER_PID = "QLORA_LAUNCHER_PID"
+LOG = "distributed.log"  # the ranks' output, beside the checkpoints in the stage folder
 
 
 def world_size(train: TrainArgs) -> int:
@@ -35,6 +40,39 @@ def world_size(train: TrainArgs) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def fsdp_settings(train: TrainArgs, model: Any) -> dict[str, Any]:
+    """TrainingArguments keywords for train.fsdp under torchrun: FSDP2 over the decoder layers (the model's
+    _no_split_modules), full state dicts so rank 0 saves ordinary PEFT checkpoints. {} when not sharding."""
+    if not train.fsdp or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("train.fsdp needs GPUs (FSDP shards over NCCL); on CPU, leave it off: num_gpus > 1 then "
+                        "trains data-parallel with gloo.")
+    quant = getattr(model.config, "quantization_config", None)
+    storage, compute = (_dtype_name(getattr(quant, f"bnb_4bit_{k}", None)) for k in ("quant_storage", "compute_dtype"))
+    if quant is not None and storage != compute:
+        raise UserError(f"train.fsdp: the 4-bit checkpoint stores its weights as {storage}, but FSDP can only "
+                        f"shard them with the rest of each layer when that is the compute dtype ({compute}). Set "
+                        f"model.bnb_4bit_quant_storage={compute} (prepare_model then writes a new checkpoint).")
+    settings: dict[str, Any] = {"fsdp": True, "fsdp_config": {
+        "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
+        "state_dict_type": "FULL_STATE_DICT"}}  # our own checkpointing stays: FSDP's would wrap the layers again
+    if train.optim != "adamw_torch":
+        # bitsandbytes' optimizers cannot update FSDP2's sharded (DTensor) parameters (measured: they fail at the
+        # first step); torch's AdamW can, and its fp32 state is sharded over the GPUs like everything else
+        logger().warning("train_adapter: train.fsdp: optimizer adamw_torch instead of %s, which cannot update "
+                         "sharded parameters", train.optim)
+        settings["optim"] = "adamw_torch"
+    return settings
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'bfloat16' for torch.bfloat16 or 'bfloat16' (quantization configs hold either)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def launch(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str, out: Path, nproc: int) -> dict[str, Any]:
     """Run the ranks under torchrun; relay their output to the log; rank 0's metrics, or the failing rank's error."""
     args_file = out / ".distributed-args.json"
@@ -44,12 +82,14 @@ def launch(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str, out:
     # the ranks are not Prefect runs: no run context, so no artifacts or GPU slot of their own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "tasks.distributed", str(args_file)]
+    command = [sys.executable, "-m", "tasks.distributed", "launch", str(os.getpid()), "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "tasks.distributed", str(args_file)]
     logger().info("train_adapter: data-parallel over %d processes: %s", nproc, " ".join(command[1:]))
     tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+          (out / LOG).open("w", buffering=1) as log):  # the ranks' whole output, line by line (a killed run's too)
         for line in proc.stdout:
+            log.write(line)
             tail.append(line.rstrip())
             if line.startswith(USER_ERROR_PREFIX):
                 user_error = line[len(USER_ERROR_PREFIX):].strip()
@@ -59,8 +99,29 @@ def launch(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str, out:
         if "user_error" in locals():
             raise UserError(user_error)
         raise RuntimeError(f"train_adapter: a rank of the {nproc}-process group failed (exit {proc.returncode}); "
-                           "its output ends:\n" + "\n".join(tail))
+                           f"all output in {out / LOG}; it ends:\n" + "\n".join(tail))
     return json.loads((out / RESULT).read_text())
+
+
+def exit_with_parent(parent: int) -> None:
+    """End this process within a second of `parent` ending. torchrun starts every rank in a session of its own,
+    out of reach of a kill aimed at the run's process group: without this, a killed run would leave its ranks
+    training on, holding the GPUs and writing into the stage folder beside the run that resumes it."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _torchrun_main(parent: int, torchrun_args: list[str]) -> None:
+    """torchrun itself, in a process that ends with the train_adapter task that started it."""
+    from torch.distributed import run
+
+    exit_with_parent(parent)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' parent, for their own exit_with_parent
+    run.main(torchrun_args)
 
 
 def _rank_main(args_file: Path) -> None:
@@ -68,6 +129,8 @@ def _rank_main(args_file: Path) -> None:
     import logging
 
     from tasks import train_adapter
+
+    exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     spec = json.loads(args_file.read_text())
@@ -83,4 +146,7 @@ def _rank_main(args_file: Path) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(Path(sys.argv[1]))
+    if sys.argv[1] == "launch":  # python -m tasks.distributed launch PARENT_PID TORCHRUN_ARGS...
+        _torchrun_main(int(sys.argv[2]), sys.argv[3:])
+    else:  # a rank: python -m tasks.distributed ARGS.json
+        _rank_main(Path(sys.argv[1]))

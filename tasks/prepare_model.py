@@ -59,7 +59,7 @@ def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                                bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-                               bnb_4bit_compute_dtype=dtype)
+                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
     return AutoModelForCausalLM.from_pretrained(
         source, quantization_config=quant, dtype=dtype, attn_implementation=args.attn_implementation,
         device_map={"": 0} if device() == "cuda" else "cpu",

@@ -109,32 +109,35 @@ def _chunk_rows(rows: int, hidden: int, vocab: int) -> int:
     return max(256, min(512, -(-rows * hidden // vocab)))
 
 
-def _linear_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grad: bool
+def _linear_ce_forward(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, want_grad: bool
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed cross-entropy of (hidden @ weight.T) against labels (all valid), and its gradient w.r.t. hidden."""
+    """Summed cross-entropy of head(hidden) against labels (all valid), and its gradient w.r.t. hidden.
+
+    The logits come from calling the head module, not from its weight alone: under FSDP2 the head's parameters
+    are gathered by the hooks of that call (reading head.weight without one finds a shard)."""
     import torch
 
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad = torch.empty_like(hidden) if want_grad else None
-    chunk = _chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    chunk = _chunk_rows(hidden.shape[0], hidden.shape[1], head.out_features)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
-        logits = (h @ weight.t()).float()
+        logits = head(h).float()
         lse = torch.logsumexp(logits, dim=-1)
         total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
         if grad is not None:
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
             probs.scatter_add_(1, y[:, None], torch.full_like(lse, -1.0)[:, None])
-            grad[start:start + chunk] = probs.to(weight.dtype) @ weight
+            grad[start:start + chunk] = probs.to(head.weight.dtype) @ head.weight
     return total, grad
 
 
 class LinearCrossEntropy:
-    """loss = sum over labelled rows of CE(hidden @ weight.T, label) / divisor; weight is frozen."""
+    """loss = sum over labelled rows of CE(head(hidden), label) / divisor; head is a frozen bias-free Linear."""
 
     @staticmethod
-    def apply(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: Any) -> torch.Tensor:
-        return _function().apply(hidden, weight, labels, divisor)
+    def apply(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any) -> torch.Tensor:
+        return _function().apply(hidden, head, labels, divisor)
 
 
 @functools.cache
@@ -143,13 +146,13 @@ def _function() -> Any:
 
     class _LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: Any
+        def forward(ctx: Any, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any
                     ) -> torch.Tensor:
             rows = (labels != -100).nonzero().squeeze(1)
             picked = hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows)
-            if picked.dtype != weight.dtype:  # autocast does not reach inside a custom Function's matmuls
-                picked = picked.to(weight.dtype)
-            total, grad = _linear_ce_forward(picked, weight, labels.index_select(0, rows), hidden.requires_grad)
+            if picked.dtype != head.weight.dtype:  # autocast does not reach inside a custom Function's matmuls
+                picked = picked.to(head.weight.dtype)
+            total, grad = _linear_ce_forward(picked, head, labels.index_select(0, rows), hidden.requires_grad)
             ctx.shape, ctx.dtype, ctx.divisor = hidden.shape, hidden.dtype, divisor
             ctx.save_for_backward(rows, grad if grad is not None else rows.new_empty(0))
             return total / divisor
@@ -189,7 +192,7 @@ def use_fused_loss(causal_lm: Any) -> bool:
         divisor = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum().clamp(min=1)
         if isinstance(divisor, torch.Tensor):
             divisor = divisor.to(hidden.device)
-        loss = LinearCrossEntropy.apply(hidden, head.weight, targets, divisor)
+        loss = LinearCrossEntropy.apply(hidden, head, targets, divisor)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
     causal_lm.forward = forward

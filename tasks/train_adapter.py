@@ -63,15 +63,27 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str
     """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
     examples = ParquetExamples(Path(data_dir) / "train.parquet")
     model, trainer, result, used = _fit_with_backoff(lora, train, examples, out, Path(model_dir))
-    if trainer.is_world_process_zero():
+    throughput = progress(trainer).summary()  # every rank takes part: the figures are gathered over all
+    if trainer.is_fsdp_enabled:  # every rank sends its shard; rank 0 writes
+        trainer.save_model(str(out / "adapter"))
+    elif trainer.is_world_process_zero():
         model.save_pretrained(out / "adapter")
+    if trainer.is_world_process_zero():
         (out / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
+        (out / "adapter" / "training_args.bin").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
+    return {**throughput, "train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
             "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "per_device_train_batch_size": used.per_device_train_batch_size,
-            "gradient_accumulation_steps": used.gradient_accumulation_steps, "processes": trainer.args.world_size}
+            "gradient_accumulation_steps": used.gradient_accumulation_steps, "processes": trainer.args.world_size,
+            "sharding": "fsdp" if trainer.is_fsdp_enabled else "ddp" if trainer.args.world_size > 1 else "none"}
+
+
+def progress(trainer: Any) -> Any:
+    from tasks.callbacks import Progress
+
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, Progress))
 
 
 def check_target_modules(target_modules: list[str], model_dir: Path) -> None:
@@ -151,14 +163,19 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path,
 
     compute = (read_manifest(model_dir) or {}).get("metrics", {}).get("compute_dtype", "float32")
     settings = speed.trainer_settings(train)
+    settings.pop("fsdp", None)  # set by distributed.fsdp_settings, only when sharding over several GPUs
     if settings["bf16"] is None:  # bnb needs compute dtype == training dtype
         settings["bf16"] = compute == "bfloat16"
     args = TrainingArguments(
         output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
         fp16=compute == "float16", gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, **settings,
+        dataloader_num_workers=0, **{**settings, **distributed.fsdp_settings(train, model)},
     )
+    if args.world_size == 1 and args.n_gpu > 1:
+        # one process on a machine with several GPUs: the Trainer would wrap the 4-bit model in nn.DataParallel
+        # (which bitsandbytes layers do not survive); the model lives on one GPU, and so does the training
+        args._n_gpu = 1
     dataset, collator, choice = speed.training_batches(model, examples, train)
     logger().info("train_adapter: micro-batches %s", choice)
     callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()]

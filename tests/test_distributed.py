@@ -1,11 +1,17 @@
-"""Data-parallel train_adapter on CPU: 2 gloo processes through torchrun against 1 process."""
+"""Data-parallel train_adapter on CPU: 2 gloo processes through torchrun against 1 process; the FSDP option's
+CPU-checkable parts (its configuration rules and the float storage of the 4-bit weights)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, TrainArgs
+import pytest
+from pydantic import ValidationError
+
+from tasks import distributed
+from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, TrainArgs, load_config
+from tasks.errors import UserError
 from tasks.manifest import read_manifest
 from tasks.prepare_data import prepare_data
 from tasks.prepare_model import prepare_model
@@ -34,5 +40,42 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     assert two["metrics"]["optimizer_steps"] == one["metrics"]["optimizer_steps"] == 12
     assert {k: v.shape for k, v in two["adapter"].items()} == {k: v.shape for k, v in one["adapter"].items()}
     assert len(two["losses"]) == 12  # rank 0 alone writes the loss log
+    assert (one["metrics"]["sharding"], two["metrics"]["sharding"]) == ("none", "ddp")
+    assert one["metrics"]["real_tokens_per_s"] > 0 and two["metrics"]["real_tokens_per_s"] > 0
     # same global batch of 8 (4 per rank), different example order: close, not identical
     assert abs(two["metrics"]["train_loss"] - one["metrics"]["train_loss"]) < 0.1 * one["metrics"]["train_loss"]
+
+
+def test_fsdp_needs_the_4bit_weights_stored_in_the_compute_dtype() -> None:
+    with pytest.raises(ValidationError, match="model.bnb_4bit_quant_storage=bfloat16"):
+        load_config(None, ["train.fsdp=true", "train.num_gpus=2"])
+    with pytest.raises(ValidationError, match="model.bnb_4bit_quant_storage=float16"):
+        load_config(None, ["train.fsdp=true", "model.bnb_4bit_compute_dtype=float16",
+                           "model.bnb_4bit_quant_storage=bfloat16"])
+    config = load_config(None, ["train.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"])
+    assert config.train.fsdp and config.model.bnb_4bit_quant_storage == "bfloat16"
+
+
+def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stored as float32 (the CPU compute dtype) the packed 4-bit weights are the same bits: same logits."""
+    import torch
+
+    from tasks.runtime import load_quantized
+
+    runs = tmp_path / "runs"
+    packed = Path(prepare_model.fn(ModelArgs(), runs))
+    as_float = Path(prepare_model.fn(ModelArgs(bnb_4bit_quant_storage="float32"), runs))
+    assert packed != as_float  # a different checkpoint, under its own cache key
+    ids = torch.tensor([[1, 5, 9, 200, 7, 42, 3]])
+    logits = []
+    for folder in (packed, as_float):
+        model = load_quantized(folder)
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        logits.append(model(input_ids=ids).logits)
+    assert weight.dtype == torch.float32 and model.config.quantization_config.bnb_4bit_quant_storage == torch.float32
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="needs GPUs"):
+        distributed.fsdp_settings(TrainArgs(fsdp=True, num_gpus=2), model)
+    assert distributed.fsdp_settings(TrainArgs(num_gpus=2), model) == {}

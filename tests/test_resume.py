@@ -42,10 +42,14 @@ def test_missing_manifest_or_truncated_parquet_is_recomputed(prefect_env: Path, 
     assert parquet.stat().st_size == json.loads((data_dir / "manifest.json").read_text())["outputs"]["eval.parquet"]
 
 
-def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_path: Path, processes: int) -> None:
+    """With 2 processes the kill also reaches the torchrun ranks (each in a session of its own): none of them
+    may train on beside the resumed run, which would show as steps logged twice."""
     steps = 40
     args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
-        small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 5})), [])]
+        small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 5,
+                                          "train.num_gpus": processes})), [])]
     env = cli_env(tmp_path / "prefect")
     proc = cli(args, env, tmp_path / "first")
     checkpoints = tmp_path / "runs" / "train_adapter"
@@ -60,6 +64,10 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
         proc.wait()
     saved = max(int(p.parent.name.split("-")[1]) for p in checkpoints.glob("*/checkpoints/checkpoint-*/complete"))
     assert saved < steps
+    deadline = time.time() + 10
+    while _processes_mentioning(str(checkpoints)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _processes_mentioning(str(checkpoints)), "a rank outlived the killed run"
 
     rerun = cli(args, env, tmp_path / "rerun")
     out, err = finish(rerun, tmp_path / "rerun", timeout=900)
@@ -73,6 +81,18 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
     assert (Path(summary["export_dir"]) / "adapter_model.safetensors").is_file()
     logged = [json.loads(line)["step"] for line in (Path(train["dir"]) / "loss.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))  # no step lost or logged twice across the kill
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains text (from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace") and "tasks.distributed" in cmdline.read_text():
+                found.append(int(cmdline.parent.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def test_two_concurrent_runs_train_once(small_data: Path, tmp_path: Path) -> None:

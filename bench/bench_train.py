@@ -84,7 +84,8 @@ def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
     pm.model_fingerprint = lambda source, revision, only=None: {
         "files": sorted((p.name, p.stat().st_size) for p in Path(source).iterdir())}
     t = time.time()
-    folder = pm.prepare_model.fn(ModelArgs(base_model=spec["model_dir"]), Path(spec["runs_dir"]))
+    folder = pm.prepare_model.fn(ModelArgs(base_model=spec["model_dir"], **spec.get("model", {})),
+                                 Path(spec["runs_dir"]))
     return {"model_dir_4bit": folder, "build_s": round(made, 1), "prepare_model_s": round(time.time() - t, 1)}
 
 

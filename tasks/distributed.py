@@ -11,6 +11,7 @@ with the gloo backend (how the CPU tests exercise this path). Multi-node: see th
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ RESULT = ".rank0-result.json"  # rank 0's metrics, read by the parent
 USER_ERROR_PREFIX = "QLORA_USER_ERROR: "
 LAUNCHER_PID = "QLORA_LAUNCHER_PID"
 LOG = "distributed.log"  # the ranks' output, beside the checkpoints in the stage folder
+DUMP_STACKS_EVERY = "QLORA_DUMP_STACKS_EVERY"  # seconds; each rank then prints its Python stacks that often
 
 
 def world_size(train: TrainArgs) -> int:
@@ -131,6 +133,8 @@ def _rank_main(args_file: Path) -> None:
     from tasks import train_adapter
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
+    if every := os.environ.get(DUMP_STACKS_EVERY):  # where a stuck rank waits: its stacks, into distributed.log
+        faulthandler.dump_traceback_later(float(every), repeat=True)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     spec = json.loads(args_file.read_text())

@@ -18,7 +18,7 @@ from tasks.prepare_model import prepare_model
 from tasks.train_adapter import train_adapter
 
 
-def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
+def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from safetensors.torch import load_file
 
     data = tmp_path / "d.jsonl"
@@ -26,6 +26,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     data_dir = prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs)
     model_dir = prepare_model.fn(ModelArgs(), runs)
+    monkeypatch.setenv(distributed.DUMP_STACKS_EVERY, "3")  # the ranks' stacks, as for a stuck run
     results = {}
     for processes in (1, 2):
         train = TrainArgs(num_gpus=processes, max_steps=12, save_steps=5, logging_steps=1, learning_rate=2e-3,
@@ -34,6 +35,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
         manifest = read_manifest(folder)
         log = (folder / "loss.jsonl").read_text().splitlines()
         results[processes] = {"metrics": manifest["metrics"], "losses": [json.loads(x)["loss"] for x in log],
+                              "rank_log": (folder / distributed.LOG).read_text() if processes > 1 else "",
                               "adapter": load_file(folder / "adapter" / "adapter_model.safetensors")}
     one, two = results[1], results[2]
     assert two["metrics"]["processes"] == 2 and one["metrics"]["processes"] == 1
@@ -41,6 +43,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     assert {k: v.shape for k, v in two["adapter"].items()} == {k: v.shape for k, v in one["adapter"].items()}
     assert len(two["losses"]) == 12  # rank 0 alone writes the loss log
     assert (one["metrics"]["sharding"], two["metrics"]["sharding"]) == ("none", "ddp")
+    assert "Thread 0x" in two["rank_log"] and "tasks/train_adapter.py" in two["rank_log"]  # periodic stack dumps
     assert one["metrics"]["real_tokens_per_s"] > 0 and two["metrics"]["real_tokens_per_s"] > 0
     # same global batch of 8 (4 per rank), different example order: close, not identical
     assert abs(two["metrics"]["train_loss"] - one["metrics"]["train_loss"]) < 0.1 * one["metrics"]["train_loss"]

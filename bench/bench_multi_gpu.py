@@ -63,8 +63,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     metrics = distributed.launch(LoraArgs(), TrainArgs(**spec["train"]), spec["data_dir"], spec["model_dir"], out,
                                  spec["nproc"])
     metrics["wall_s"] = round(time.time() - t, 1)
-    metrics["losses"] = [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
-    metrics["loss_steps"] = [json.loads(line)["step"] for line in (out / "loss.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    metrics["losses"], metrics["loss_steps"] = [x["loss"] for x in logged], [x["step"] for x in logged]
     return metrics
 
 

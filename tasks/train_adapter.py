@@ -163,7 +163,6 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, out: Path,
 
     compute = (read_manifest(model_dir) or {}).get("metrics", {}).get("compute_dtype", "float32")
     settings = speed.trainer_settings(train)
-    settings.pop("fsdp", None)  # set by distributed.fsdp_settings, only when sharding over several GPUs
     if settings["bf16"] is None:  # bnb needs compute dtype == training dtype
         settings["bf16"] = compute == "bfloat16"
     args = TrainingArguments(

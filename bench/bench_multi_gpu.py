@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per variant (the first is warm-up)")
     ap.add_argument("--n", type=int, default=4000, help="examples")
     ap.add_argument("--skip", default="", help="comma list of: one_gpu, two_gpus, fsdp, fsdp_resume")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per variant before it is killed")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the embedded tiny model, gloo, DDP only")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-bench-mg"))
@@ -130,13 +131,13 @@ def main() -> None:
                 "fsdp": spec("fsdp", 2, fsdp=True)}
     for name, s in variants.items():
         if name not in skip:
-            result[name] = runner.run(name, train_cmd(s), timeout=900)
+            result[name] = runner.run(name, train_cmd(s), timeout=a.timeout)
             _keep_rank_log(result[name], s, logs)
             _save(result, path, logs)
     if "fsdp_resume" not in skip:
         s = spec("fsdp_resume", 2, fsdp=not a.tiny, max_steps=6, save_steps=3)
         first = kill_after_checkpoint(runner, s, 3, logs / "bench-multi-gpu.log")
-        second = runner.run("fsdp_resume", train_cmd(s), timeout=900)
+        second = runner.run("fsdp_resume", train_cmd(s), timeout=a.timeout)
         _keep_rank_log(second, s, logs)
         result["fsdp_resume"] = {"first": first, "second": second,
                                  "resumed": second.get("loss_steps") == list(range(1, 7)) and first["killed"]}

@@ -143,6 +143,11 @@ class TrainArgs(_Section):
         None, description="Keep the checkpointed layer inputs in pinned CPU memory, for long sequences on small "
         "GPUs. None: only when a micro-batch's checkpointed inputs would not fit gpu_memory_budget_gb.",
     )
+    offload_embeddings: bool | None = Field(
+        None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (about "
+        "1 GiB of GPU memory for a 128k-token vocabulary; one host-to-GPU copy of the looked-up rows per "
+        "micro-batch). Single-GPU runs only. None: when the activations are offloaded.",
+    )
     upcast_frozen_to_fp32: bool = Field(
         False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "
         "prepare_model_for_kbit_training). Off keeps them in the compute dtype: less memory, same loss.",

@@ -284,6 +284,31 @@ def enable_checkpointing(model: Any, offload: bool) -> None:
     model.enable_input_require_grads()  # frozen embeddings: the first layer's input must carry a gradient
 
 
+def offload_embeddings(model: Any) -> bool:
+    """Move the frozen input-embedding table to CPU memory; each forward looks its tokens up there and copies
+    the rows to the GPU. A lookup needs no arithmetic, so the table (vocabulary x hidden, 1 GiB for Llama 3's
+    128k tokens in bf16) need not hold GPU memory: the cost is the ids' copy to the host, which waits for the
+    GPU, and the rows' copy back (tokens x hidden). False where not possible: a trainable or non-standard
+    embedding, or several processes (DDP broadcasts every parameter from rank 0 over NCCL, GPU tensors only)."""
+    import os
+
+    import torch
+
+    emb = model.get_input_embeddings()
+    if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or not emb.weight.is_cuda
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return False
+    device = emb.weight.device
+    emb.to("cpu")
+    lookup = emb.forward
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return lookup(ids.to("cpu")).to(device)
+
+    emb.forward = forward
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The MLP in token chunks, for long sequences
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,8 +388,8 @@ def micro_batch_tokens(budget_gb: float, used_bytes: int, config: Any, offload: 
 # TrainArgs fields that are not the Trainer's (train.fsdp becomes the Trainer's fsdp settings in
 # distributed.fsdp_settings, and only when sharding over several GPUs)
 OWN_FIELDS = ("packing", "max_tokens_per_batch", "gpu_memory_budget_gb", "offload_activations",
-              "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel", "mlp_chunk_tokens",
-              "num_gpus", "fused_lora", "fsdp")
+              "offload_embeddings", "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel",
+              "mlp_chunk_tokens", "num_gpus", "fused_lora", "fsdp")
 AUTO_MAX_TOKENS = 16384  # more tokens per micro-batch gained 2% on an H200 (8B) for 3.4 GiB more
 
 
@@ -448,17 +473,21 @@ def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, d
     offload = bool(train.offload_activations)
     tokens = train.max_tokens_per_batch
     cuda = torch.cuda.is_available()
+    embeddings = False
     if cuda:
         config, used = model.config, torch.cuda.memory_allocated()
         room = micro_batch_tokens(train.gpu_memory_budget_gb, used, config, False, 0)
         needed = longest if tokens is None or not train.packing else max(tokens, longest)
         if train.offload_activations is None and train.gradient_checkpointing and needed > room:
             offload = True  # checkpointed inputs of this many tokens would not fit the budget on the GPU
+        wanted = train.offload_embeddings if train.offload_embeddings is not None else offload
+        if wanted and offload_embeddings(model):
+            embeddings, used = True, torch.cuda.memory_allocated()
         if train.packing and tokens is None:
             tokens = max(min(micro_batch_tokens(train.gpu_memory_budget_gb, used, config, offload, 0),
                              AUTO_MAX_TOKENS), min(longest, 1024))
     choice = {"packing": train.packing, "offload_activations": offload and train.gradient_checkpointing,
-              "max_tokens_per_batch": tokens if train.packing else None}
+              "max_tokens_per_batch": tokens if train.packing else None, "offload_embeddings": embeddings}
     if train.gradient_checkpointing:
         enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
     if not train.packing:

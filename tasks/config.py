@@ -133,20 +133,21 @@ class TrainArgs(_Section):
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, as many as gpu_memory_budget_gb "
-        "allows, at most 16,384; on CPU, per_device_train_batch_size examples per micro-batch.",
+        "allows, at most 6,144 (past that an 8B model keeps an H200 busy; more tokens buy a few per cent for more "
+        "memory); on CPU, per_device_train_batch_size examples per micro-batch.",
     )
     gpu_memory_budget_gb: float = Field(
         16.0, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
         "size when max_tokens_per_batch is None.",
     )
     offload_activations: bool | None = Field(
-        None, description="Keep the checkpointed layer inputs in pinned CPU memory, for long sequences on small "
-        "GPUs. None: only when a micro-batch's checkpointed inputs would not fit gpu_memory_budget_gb.",
+        None, description="Keep the checkpointed layer inputs in pinned CPU memory, copied on a side stream (2 "
+        "GiB for 8k tokens of an 8B model). None: on a GPU, with gradient checkpointing.",
     )
     offload_embeddings: bool | None = Field(
-        None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (about "
-        "1 GiB of GPU memory for a 128k-token vocabulary; one host-to-GPU copy of the looked-up rows per "
-        "micro-batch). Single-GPU runs only. None: when the activations are offloaded.",
+        None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (1 GiB "
+        "for a 128k-token vocabulary in bf16; per micro-batch, the ids go to the host and the rows come back). "
+        "Single-process runs only. None: when the activations are offloaded.",
     )
     upcast_frozen_to_fp32: bool = Field(
         False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "

@@ -285,28 +285,48 @@ def enable_checkpointing(model: Any, offload: bool) -> None:
 
 
 def offload_embeddings(model: Any) -> bool:
-    """Move the frozen input-embedding table to CPU memory; each forward looks its tokens up there and copies
-    the rows to the GPU. A lookup needs no arithmetic, so the table (vocabulary x hidden, 1 GiB for Llama 3's
-    128k tokens in bf16) need not hold GPU memory: the cost is the ids' copy to the host, which waits for the
-    GPU, and the rows' copy back (tokens x hidden). False where not possible: a trainable or non-standard
-    embedding, or several processes (DDP broadcasts every parameter from rank 0 over NCCL, GPU tensors only)."""
+    """Move the frozen input-embedding table to CPU memory (HostEmbedding). A lookup needs no arithmetic, so the
+    table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
+    not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
+    parameter from rank 0 over NCCL, which takes GPU tensors only)."""
     import os
 
     import torch
 
-    emb = model.get_input_embeddings()
-    if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or not emb.weight.is_cuda
-            or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or emb.max_norm is not None
+            or (head is not None and head.weight is emb.weight) or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         return False
-    device = emb.weight.device
-    emb.to("cpu")
-    lookup = emb.forward
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        return lookup(ids.to("cpu")).to(device)
-
-    emb.forward = forward
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_input_embeddings(_host_embedding_type()(emb))
     return True
+
+
+@functools.cache
+def _host_embedding_type() -> type:
+    import torch
+
+    class HostEmbedding(torch.nn.Module):
+        """An nn.Embedding whose table stays in CPU memory: a plain attribute, not a parameter or buffer, so
+        that moving the model (model.to, the Trainer's device placement) leaves it where it is. Each forward
+        copies the ids to the host, which waits for the GPU's queued work, looks the rows up there and copies
+        them (tokens x hidden) to the ids' device."""
+
+        def __init__(self, emb: torch.nn.Embedding) -> None:
+            super().__init__()
+            self.table = emb.weight.detach().to("cpu")
+            self.padding_idx = emb.padding_idx
+            self.num_embeddings, self.embedding_dim = self.table.shape
+
+        @property
+        def weight(self) -> torch.Tensor:  # for code that reads the embedding's dtype or shape
+            return self.table
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            rows = torch.nn.functional.embedding(ids.to("cpu"), self.table, self.padding_idx)
+            return rows.to(ids.device)
+
+    return HostEmbedding
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,7 +410,11 @@ def micro_batch_tokens(budget_gb: float, used_bytes: int, config: Any, offload: 
 OWN_FIELDS = ("packing", "max_tokens_per_batch", "gpu_memory_budget_gb", "offload_activations",
               "offload_embeddings", "upcast_frozen_to_fp32", "fused_cross_entropy", "use_liger_kernel",
               "mlp_chunk_tokens", "num_gpus", "fused_lora", "fsdp")
-AUTO_MAX_TOKENS = 16384  # more tokens per micro-batch gained 2% on an H200 (8B) for 3.4 GiB more
+# Tokens per packed micro-batch when none is set. Measured on an H200 with the 8B shape (bench/results/
+# 2026-11-30-h200x2-microstep.json, activations and embeddings offloaded): 5,546 tokens 10,079 tokens/s at 5.88 GiB,
+# 7,981 tokens 10,254 at 6.35 GiB, 16,133 tokens 10,757 at 7.91 GiB: past ~6k tokens the GPU is busy, and more
+# tokens buy a few per cent for more memory.
+AUTO_MAX_TOKENS = 6144
 
 
 def trainer_settings(train: Any) -> dict[str, Any]:
@@ -470,23 +494,17 @@ def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, d
 
     lengths = [len(ids) for ids in examples.input_ids]
     longest = max(lengths, default=1)
-    offload = bool(train.offload_activations)
-    tokens = train.max_tokens_per_batch
     cuda = torch.cuda.is_available()
-    embeddings = False
-    if cuda:
-        config, used = model.config, torch.cuda.memory_allocated()
-        room = micro_batch_tokens(train.gpu_memory_budget_gb, used, config, False, 0)
-        needed = longest if tokens is None or not train.packing else max(tokens, longest)
-        if train.offload_activations is None and train.gradient_checkpointing and needed > room:
-            offload = True  # checkpointed inputs of this many tokens would not fit the budget on the GPU
-        wanted = train.offload_embeddings if train.offload_embeddings is not None else offload
-        if wanted and offload_embeddings(model):
-            embeddings, used = True, torch.cuda.memory_allocated()
-        if train.packing and tokens is None:
-            tokens = max(min(micro_batch_tokens(train.gpu_memory_budget_gb, used, config, offload, 0),
-                             AUTO_MAX_TOKENS), min(longest, 1024))
-    choice = {"packing": train.packing, "offload_activations": offload and train.gradient_checkpointing,
+    offload = train.gradient_checkpointing and (train.offload_activations if train.offload_activations is not None
+                                                 else cuda)
+    wanted = train.offload_embeddings if train.offload_embeddings is not None else offload
+    embeddings = bool(wanted) and offload_embeddings(model)
+    tokens = train.max_tokens_per_batch
+    if cuda and train.packing and tokens is None:
+        budget = micro_batch_tokens(train.gpu_memory_budget_gb, torch.cuda.memory_allocated(), model.config,
+                                    offload, 0)
+        tokens = max(min(budget, AUTO_MAX_TOKENS), min(longest, 1024))
+    choice = {"packing": train.packing, "offload_activations": offload,
               "max_tokens_per_batch": tokens if train.packing else None, "offload_embeddings": embeddings}
     if train.gradient_checkpointing:
         enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)

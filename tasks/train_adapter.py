@@ -65,7 +65,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str
     model, trainer, result, used = _fit_with_backoff(lora, train, examples, out, Path(model_dir))
     throughput = progress(trainer).summary()  # every rank takes part: the figures are gathered over all
     if trainer.is_fsdp_enabled:  # every rank sends its shard; rank 0 writes
-        trainer.save_model(str(out / "adapter"))
+        distributed.save_sharded_adapter(trainer.model, out / "adapter")
     elif trainer.is_world_process_zero():
         model.save_pretrained(out / "adapter")
     if trainer.is_world_process_zero():

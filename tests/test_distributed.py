@@ -82,3 +82,53 @@ def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Pat
     with pytest.raises(UserError, match="needs GPUs"):
         distributed.fsdp_settings(TrainArgs(fsdp=True, num_gpus=2), model)
     assert distributed.fsdp_settings(TrainArgs(num_gpus=2), model) == {}
+
+
+def _sharded_adapter_rank(rank: int, folder: str, port: int) -> None:
+    """One of 2 gloo ranks: the tiny model with LoRA (seeded, so both ranks hold the same weights), FSDP2 over its
+    decoder layers and the whole, then the adapter gathered and saved by rank 0."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(ModelArgs().base_model),
+                           LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero: give every adapter weight a distinct value
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    if rank == 0:
+        model.save_pretrained(Path(folder) / "unsharded")
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    distributed.save_sharded_adapter(model, Path(folder) / "sharded")
+    dist.destroy_process_group()
+
+
+def test_fsdp_adapter_is_gathered_whole_without_the_base(tmp_path: Path) -> None:
+    """The adapter saved from FSDP2 shards equals the unsharded model's, key for key, and holds nothing else."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_adapter_rank, args=(str(tmp_path), port), nprocs=2, join=True)
+    sharded = load_file(tmp_path / "sharded" / "adapter_model.safetensors")
+    unsharded = load_file(tmp_path / "unsharded" / "adapter_model.safetensors")
+    layers = AutoConfig.from_pretrained(ModelArgs().base_model).num_hidden_layers
+    assert sorted(sharded) == sorted(unsharded) and len(sharded) == 2 * 2 * layers  # A and B of 2 targets
+    for key, value in unsharded.items():
+        assert torch.equal(sharded[key], value), key

@@ -149,6 +149,41 @@ def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
             torch.testing.assert_close(other[name], grads[0][name], rtol=1e-4, atol=1e-6)
 
 
+def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
+    """offload_embeddings moves the table out of the model's parameters (so no model.to moves it back to a GPU);
+    the loss and every LoRA gradient, the first layer's included, stay the same."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks import speed
+
+    examples = _examples([30, 50, 9])
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    results = []
+    for offload in (False, True):
+        torch.manual_seed(1)
+        model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                   init_lora_weights="gaussian"))
+        table = model.get_input_embeddings().weight.detach().clone()
+        if offload:
+            assert speed.offload_embeddings(model)
+            assert not any("embed_tokens" in name for name, _ in model.named_parameters())
+            assert "embed_tokens" not in "".join(model.state_dict())
+            model.to(torch.float64)  # what moves or casts the model's tensors leaves the table alone
+            assert model.get_input_embeddings().weight.dtype == table.dtype
+            torch.testing.assert_close(model.get_input_embeddings().weight, table, rtol=0, atol=0)
+            model.to(torch.float32)
+        speed.enable_checkpointing(model.get_base_model(), offload=False)  # the input gradient hook, as in training
+        loss = model.train()(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    assert grads1.keys() == grads0.keys() and any("layers.0." in n for n in grads0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
+
+
 def test_packed_examples_by_count_on_cpu() -> None:
     examples = _examples([10, 20, 30, 40, 50])
     packs = PackedExamples(examples, max_tokens=None, max_examples=2, seed=0)

@@ -142,7 +142,7 @@ class TrainArgs(_Section):
     )
     offload_activations: bool | None = Field(
         None, description="Keep the checkpointed layer inputs in pinned CPU memory, copied on a side stream (2 "
-        "GiB for 8k tokens of an 8B model). None: on a GPU, with gradient checkpointing.",
+        "GiB for 8k tokens of an 8B model). None: on a GPU, with gradient checkpointing, in single-process runs.",
     )
     offload_embeddings: bool | None = Field(
         None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (1 GiB "

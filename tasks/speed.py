@@ -488,6 +488,8 @@ def smaller_packs(train: Any, exc: BaseException) -> Any:
 def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, dict[str, Any]]:
     """The Trainer's dataset and collator, after choosing the packed micro-batch size and activation offload for
     this device, and enabling checkpointing. Returns them with a record of the choices."""
+    import os
+
     import torch
 
     from tasks.batches import PackedExamples, pack_collator, pad_collator
@@ -495,8 +497,11 @@ def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, d
     lengths = [len(ids) for ids in examples.input_ids]
     longest = max(lengths, default=1)
     cuda = torch.cuda.is_available()
+    # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its own
+    # backward) is not measured on GPUs
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
     offload = train.gradient_checkpointing and (train.offload_activations if train.offload_activations is not None
-                                                 else cuda)
+                                                 else cuda and alone)
     wanted = train.offload_embeddings if train.offload_embeddings is not None else offload
     embeddings = bool(wanted) and offload_embeddings(model)
     tokens = train.max_tokens_per_batch

@@ -375,7 +375,8 @@ def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
 
 
 def pipeline_runs(a: argparse.Namespace, n: int) -> list[dict[str, Any]]:
-    run = {"name": "default", "n": n, "train": {"max_steps": a.steps + 2}, "loss_check": a.loss_examples}
+    run = {"name": "default", "n": n, "train": {"max_steps": (a.pipeline_steps or a.steps) + 2},
+           "loss_check": a.loss_examples}
     return [{**run, "profile": a.profile_tokens} if a.profile_tokens else run]
 
 
@@ -398,6 +399,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/qlora-bench")
     ap.add_argument("--seq", type=int, default=2048, help="lengths are cut at this many tokens")
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps, after 2 warm-up steps")
+    ap.add_argument("--pipeline-steps", type=int, default=0, help="timed steps of (b) if not --steps (its "
+                    "micro-batches are smaller: more steps for the same timed tokens)")
     ap.add_argument("--loss-examples", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)  # CPU smoke tests: tiny models
     ap.add_argument("--unsloth-site", default="", help="PYTHONPATH holding Unsloth's wheels; empty = skip (c)")

@@ -184,6 +184,25 @@ def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
         torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"offload_activations": True}, {"offload_activations": True,
+                                                                        "offload_embeddings": False}])
+def test_training_batches_records_what_it_chose(overrides: dict[str, Any]) -> None:
+    """Off by default on CPU; explicit offload of the activations brings the embeddings with it unless told not
+    to, and the record says what was done to the model."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks import speed
+    from tasks.config import TrainArgs
+
+    model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
+    packs, _, choice = speed.training_batches(model, _examples([30, 50, 9, 12]), TrainArgs(**overrides))
+    embeddings_on_host = type(model.get_input_embeddings()).__name__ == "HostEmbedding"
+    assert choice["offload_activations"] == bool(overrides.get("offload_activations"))
+    assert choice["offload_embeddings"] == embeddings_on_host == (overrides.get("offload_embeddings", True)
+                                                                  and choice["offload_activations"])
+    assert choice["max_tokens_per_batch"] is None and len(packs) == 1  # on CPU: 8 examples per pack
+
+
 def test_packed_examples_by_count_on_cpu() -> None:
     examples = _examples([10, 20, 30, 40, 50])
     packs = PackedExamples(examples, max_tokens=None, max_examples=2, seed=0)

@@ -11,13 +11,13 @@ with the gloo backend (how the CPU tests exercise this path). Multi-node: see th
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,24 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def dump_stacks_every(seconds: float) -> None:
+    """Print every thread's Python stack to stderr every `seconds`, from a daemon thread. It holds the GIL while
+    it reads the other threads' frames: faulthandler's timer reads them without it, and crashed a rank with
+    SIGSEGV in the middle of a dump (2 gloo processes on CPU, dumps every 3 s). The price: a rank stuck in C
+    code that holds the GIL prints nothing."""
+    def dump() -> None:
+        while True:
+            time.sleep(seconds)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"--- Python stacks of rank {os.environ.get('RANK', '0')}, every {seconds:g} s"]
+            for ident, frame in sys._current_frames().items():
+                lines.append(f"Thread {ident:#x} ({names.get(ident, '?')}), most recent call last:")
+                lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    threading.Thread(target=dump, daemon=True, name="qlora-stack-dumps").start()
+
+
 def _torchrun_main(parent: int, torchrun_args: list[str]) -> None:
     """torchrun itself, in a process that ends with the train_adapter task that started it."""
     from torch.distributed import run
@@ -150,7 +168,7 @@ def _rank_main(args_file: Path) -> None:
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
     if every := os.environ.get(DUMP_STACKS_EVERY):  # where a stuck rank waits: its stacks, into distributed.log
-        faulthandler.dump_traceback_later(float(every), repeat=True)
+        dump_stacks_every(float(every))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     spec = json.loads(args_file.read_text())

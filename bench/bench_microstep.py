@@ -40,17 +40,6 @@ import bench_train as bt  # noqa: E402
 GIB = 2**30
 
 
-def pick(examples: Any, tokens: int, start: int = 0) -> list[int]:
-    """Indices of consecutive examples from `start` whose lengths add up to at most `tokens` (at least one)."""
-    idx, total = [], 0
-    for i in range(start, len(examples)):
-        if idx and total + len(examples.input_ids[i]) > tokens:
-            break
-        idx.append(i)
-        total += len(examples.input_ids[i])
-    return idx
-
-
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -72,7 +61,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                            if torch.cuda.is_available() else None, "sizes": []}
     model.train()
     for tokens in spec["tokens"]:
-        batch = bt._batch(collator, examples, pick(examples, tokens))
+        batch = bt._batch(collator, examples, bt.first_examples(examples, tokens))
         real = int(batch["input_ids"].numel())
         try:
             out["sizes"].append({"tokens": real, **time_steps(model, batch)})
@@ -80,7 +69,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             out["sizes"].append({"tokens": real, "oom": str(exc).splitlines()[0][:160]})
         print("SIZE " + json.dumps(out["sizes"][-1]), flush=True)
     if spec.get("inspect_tokens"):
-        batch = bt._batch(collator, examples, pick(examples, spec["inspect_tokens"]))
+        batch = bt._batch(collator, examples, bt.first_examples(examples, spec["inspect_tokens"]))
         out["syncs"] = sync_sites(model, batch)
         out["profile"] = profile(model, batch)
     return out
@@ -120,25 +109,20 @@ def sync_sites(model: Any, batch: dict[str, Any]) -> dict[str, int]:
     if not torch.cuda.is_available():
         return {}
     sites: collections.Counter[str] = collections.Counter()
-    shown = warnings.showwarning
 
     def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
         where = " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-5:]))
         sites[f"{str(message)[:60]} @ {where}"] += 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                step(model, batch)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            step(model, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     model.zero_grad(set_to_none=True)
     return dict(sites.most_common(30))
 

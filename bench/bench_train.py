@@ -271,16 +271,23 @@ def _packing_check(model: Any, examples: Any, n: int = 4) -> dict[str, Any]:
             "no_position_ids_vs_alone": rel(leaky)}
 
 
+def first_examples(examples: Any, tokens: int) -> list[int]:
+    """Indices of the first examples whose lengths add up to at most `tokens` (at least one)."""
+    idx, total = [], 0
+    for i in range(len(examples)):
+        if idx and total + len(examples.input_ids[i]) > tokens:
+            break
+        idx.append(i)
+        total += len(examples.input_ids[i])
+    return idx
+
+
 def _profile(model: Any, collator: Any, examples: Any, tokens: int) -> str:
     """CPU and CUDA time of one forward+backward micro-step of about `tokens` real tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    idx, total = [], 0
-    for i in range(len(examples)):
-        if total + len(examples.input_ids[i]) > tokens:
-            break
-        idx.append(i)
-        total += len(examples.input_ids[i])
+    idx = first_examples(examples, tokens)
+    total = sum(len(examples.input_ids[i]) for i in idx)
     batch = _batch(collator, examples, idx)
     model.train()
 

@@ -42,10 +42,15 @@ def world_size(train: TrainArgs) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def several_processes() -> bool:
+    """True in a rank of a group of more than one process (torchrun sets WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def fsdp_settings(train: TrainArgs, model: Any) -> dict[str, Any]:
     """TrainingArguments keywords for train.fsdp under torchrun: FSDP2 over the decoder layers (the model's
     _no_split_modules), sharded checkpoints of the trainable weights only. {} when not sharding."""
-    if not train.fsdp or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not train.fsdp or not several_processes():
         return {}
     import torch
 

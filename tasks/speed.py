@@ -291,13 +291,13 @@ def offload_embeddings(model: Any) -> bool:
     table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
     not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
     parameter from rank 0 over NCCL, which takes GPU tensors only)."""
-    import os
-
     import torch
+
+    from tasks.distributed import several_processes
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or emb.max_norm is not None
-            or (head is not None and head.weight is emb.weight) or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            or (head is not None and head.weight is emb.weight) or several_processes()):
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.set_input_embeddings(_host_embedding_type()(emb))
@@ -492,20 +492,18 @@ def smaller_packs(train: Any, exc: BaseException) -> Any:
 def training_batches(model: Any, examples: Any, train: Any) -> tuple[Any, Any, dict[str, Any]]:
     """The Trainer's dataset and collator, after choosing the packed micro-batch size and activation offload for
     this device, and enabling checkpointing. Returns them with a record of the choices."""
-    import os
-
     import torch
 
     from tasks.batches import PackedExamples, pack_collator, pad_collator
+    from tasks.distributed import several_processes
 
     lengths = [len(ids) for ids in examples.input_ids]
     longest = max(lengths, default=1)
     cuda = torch.cuda.is_available()
     # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its own
     # backward) is not measured on GPUs
-    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
     offload = train.gradient_checkpointing and (train.offload_activations if train.offload_activations is not None
-                                                 else cuda and alone)
+                                                 else cuda and not several_processes())
     wanted = train.offload_embeddings if train.offload_embeddings is not None else offload
     embeddings = bool(wanted) and offload_embeddings(model)
     tokens = train.max_tokens_per_batch

@@ -1,4 +1,4 @@
-"""Host-side cost of one training micro-step with peft's LoRA layers vs the fused ones (train.fused_lora), on CPU.
+"""Host-side cost of one training micro-step with peft's LoRA layers vs the fused ones (speed.fused_lora), on CPU.
 
 On a GPU, small packed micro-batches are slow because every micro-step costs a fixed ~0.7 s of host time
 (Python, dispatcher, autograd, kernel launches) whatever its token count. This measures that cost on CPU, where
@@ -59,7 +59,7 @@ def build_model(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.config import ModelArgs
-    from tasks.prepare_model import _load_4bit
+    from tasks.prepare_model.stage import _load_4bit
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -72,19 +72,18 @@ def training_model(model_dir: Path, tokens: int) -> tuple[Any, dict[str, Any]]:
     """train_adapter's LoRA model (fused layers off) with checkpointing on, and one packed batch of ~tokens."""
     import torch
 
-    from tasks import speed
-    from tasks import train_adapter as ta
-    from tasks.config import LoraArgs, TrainArgs
+    from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+    from tasks.train_adapter import fit, plan
 
-    train = TrainArgs(fused_lora=False, max_tokens_per_batch=tokens)
-    model = ta._peft_model(model_dir, LoraArgs(), train)
+    train, speed = TrainArgs(), SpeedArgs(fused_lora=False, max_tokens_per_batch=tokens)
+    model = fit._peft_model(model_dir, LoraArgs(), train, speed)
     with torch.no_grad():  # LoRA B starts at zero; make the adapter path carry real values
         g = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     lengths = [41, 77, 23, 96, 19, 63, 88, 30, 52, 70, 44, 61, 12]
-    packs, collator, _ = speed.training_batches(model, _Examples(lengths, SHAPE["vocab_size"], 0), train)
+    packs, collator, _ = plan.training_batches(model, _Examples(lengths, SHAPE["vocab_size"], 0), train, speed)
     sizes = {i: sum(map(len, packs[i]["input_ids"])) for i in range(len(packs))}
     fits = [i for i in sizes if sizes[i] <= tokens]
     pick = max(fits, key=sizes.get) if fits else min(sizes, key=sizes.get)  # the fullest pack within tokens
@@ -115,7 +114,7 @@ def counts(model: Any, batch: dict[str, Any], autocast: bool) -> dict[str, int]:
 
 
 def set_mode(model: Any, fused: bool) -> None:
-    from tasks.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     (fuse_lora_layers if fused else unfuse_lora_layers)(model)
 

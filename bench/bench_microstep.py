@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,20 +44,20 @@ GIB = 2**30
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from tasks import train_adapter as ta
-    from tasks.batches import ParquetExamples
-    from tasks.config import LoraArgs, TrainArgs
+    from tasks.config import LoraArgs
+    from tasks.examples import ParquetExamples
+    from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])
-    train = TrainArgs(**{"logging_steps": 1, "save_steps": 10**6, **spec["train"]})
+    train, speed = bt.settings({"logging_steps": 1, "save_steps": 10**6, **spec["train"]})
     data = Path(spec["work"]) / "microstep" / "train.parquet"
     if not data.exists():
         bt.write_examples(data, bt.token_rows(bt.lengths(4000, 2048), spec.get("vocab", bt.VOCAB)))
     examples = ParquetExamples(data)
-    model = ta._peft_model(model_dir, LoraArgs(), train)
-    trainer = ta._trainer(model, examples, train, data.parent / spec["name"], model_dir)
+    model = fit._peft_model(model_dir, LoraArgs(), train, speed)
+    trainer, chosen = fit._trainer(model, examples, train, speed, data.parent / spec["name"], model_dir)
     collator = trainer.data_collator
-    out: dict[str, Any] = {"name": spec["name"], "train": spec["train"], "choice": getattr(collator, "choice", None),
+    out: dict[str, Any] = {"name": spec["name"], "train": spec["train"], "choice": dataclasses.asdict(chosen),
                            "model_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3)
                            if torch.cuda.is_available() else None, "sizes": []}
     model.train()

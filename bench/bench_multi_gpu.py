@@ -4,16 +4,16 @@ Builds the Llama-3.1-8B-shaped model with random weights once (bench_train's bui
 reference_recipe.make_model_dir, quantized by the pipeline's prepare_model stage; a second 4-bit copy stores
 its weights as bfloat16 for FSDP), writes bench_train's synthetic examples (lognormal lengths, median 250, cut
 at 2,048, seed 0) as train.parquet, and trains each variant through train_adapter's own launcher
-(tasks.distributed.launch: torchrun, one process per GPU), each in a fresh process group:
+(tasks.train_adapter.launch.launch: torchrun, one process per GPU), each in a fresh process group:
 
   one_gpu   num_gpus 1 (torchrun with one process: the same code path)
   two_gpus  num_gpus 2, DDP (each GPU a full 4-bit copy; same micro-batches per GPU, so twice the global batch)
-  fsdp      num_gpus 2, train.fsdp (FSDP2 over the decoder layers; 4-bit weights stored as bfloat16)
-  fsdp_resume  num_gpus 2, train.fsdp, killed (SIGKILL to the whole process group) once checkpoint 3 is complete,
+  fsdp      num_gpus 2, speed.fsdp (FSDP2 over the decoder layers; 4-bit weights stored as bfloat16)
+  fsdp_resume  num_gpus 2, speed.fsdp, killed (SIGKILL to the whole process group) once checkpoint 3 is complete,
             then started again with the same arguments: it must resume from checkpoint 3 and finish at step 6
 
 Each figure is train_adapter's own: real (non-padding) tokens/s of all ranks together from the end of the
-first optimizer step to the end of the last (tasks.callbacks.Progress.summary), the peak GPU memory of the
+first optimizer step to the end of the last (tasks.train_adapter.callbacks.Progress.summary), the peak GPU memory of the
 busiest rank, the loss. scaling_2_over_1 = two_gpus / one_gpu real tokens/s.
 
 usage (a host with 2 GPUs, from the repository root; see bench/README.md for the wheels):
@@ -46,22 +46,22 @@ TRAIN = {"max_tokens_per_batch": 16384, "gradient_accumulation_steps": 2, "learn
 
 
 def train_cmd(spec: dict[str, Any]) -> list[str]:
-    """A child process that runs tasks.distributed.launch (itself starting torchrun) and prints its metrics."""
+    """A child process that runs tasks.train_adapter.launch.launch (itself starting torchrun) and prints its metrics."""
     return [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import logging
 
-    from tasks import distributed
-    from tasks.config import LoraArgs, TrainArgs
+    from tasks.config import LoraArgs
+    from tasks.train_adapter import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     t = time.time()
-    metrics = distributed.launch(LoraArgs(), TrainArgs(**spec["train"]), spec["data_dir"], spec["model_dir"], out,
-                                 spec["nproc"])
+    metrics = launch.launch(LoraArgs(), *bt.settings(spec["train"]), spec["data_dir"], spec["model_dir"], out,
+                            spec["nproc"])
     metrics["wall_s"] = round(time.time() - t, 1)
     logged = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
     metrics["losses"], metrics["loss_steps"] = [x["loss"] for x in logged], [x["step"] for x in logged]
@@ -166,15 +166,15 @@ def _models(runner: bt.Runner, a: argparse.Namespace, work: Path) -> dict[str, A
 
 def _tiny_models(work: Path) -> dict[str, Any]:
     from tasks.config import ModelArgs
-    from tasks.prepare_model import prepare_model
+    from tasks.prepare_model.stage import prepare_model
 
     folder = prepare_model.fn(ModelArgs(), work / "runs")
     return {"uint8_storage": folder, "bf16_storage": folder}
 
 
 def _keep_rank_log(res: dict[str, Any], spec: dict[str, Any], logs: Path) -> None:
-    """On a failure, append the ranks' whole output (tasks.distributed.LOG) to the bench log."""
-    from tasks.distributed import LOG
+    """On a failure, append the ranks' whole output (tasks.train_adapter.launch.LOG) to the bench log."""
+    from tasks.train_adapter.launch import LOG
 
     rank_log = Path(spec["out"]) / LOG
     if res.get("error") and rank_log.exists():

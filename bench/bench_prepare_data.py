@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.config import EMBEDDED_DATA, EMBEDDED_MODEL, PROJECT_ROOT, DataArgs, ModelArgs  # noqa: E402
-from tasks.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER  # noqa: E402
+from tasks.prepare_data.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER  # noqa: E402
 
 SHARED_DOLLY = PROJECT_ROOT.parent / "shared" / "data" / "dolly" / "dolly_open_qa.jsonl"
 
@@ -81,7 +81,7 @@ class PeakMemory:
 
 
 def run_prepare_data(source: Path, tokenizer_dir: str, max_len: int, runs: Path) -> tuple[float, int, dict]:
-    from tasks.prepare_data import prepare_data
+    from tasks.prepare_data.stage import prepare_data
 
     start = time.perf_counter()
     folder = prepare_data.fn(DataArgs(source=str(source), max_seq_length=max_len),

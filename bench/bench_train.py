@@ -5,7 +5,7 @@ quantizes it through the pipeline's own prepare_model stage, then measures on th
 (token ids at random, lengths lognormal with median 250 and sigma 0.8, at least 16, cut at --seq, seed 0):
 
   (a) reference: the shared reference_recipe.py, as a subprocess (HF Trainer + PEFT + bnb, micro-batch 1)
-  (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter._peft_model and _trainer) with
+  (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter.fit._peft_model and _trainer) with
                  its defaults, LoRA r=16 on all seven projections
   (c) unsloth:   the shared unsloth_probe.py, where its wheels are installed (--unsloth-site)
 
@@ -40,6 +40,14 @@ GIB = 2**30
 # --------------------------------------------------------------------------------------------------------------
 # Shared data: the same lengths and ids as the shared scripts
 # --------------------------------------------------------------------------------------------------------------
+
+def settings(flat: dict[str, Any]) -> tuple[Any, Any]:
+    """TrainArgs and SpeedArgs from one flat dict of fields (the bench specs and sweeps mix both sections)."""
+    from tasks.config import SpeedArgs, TrainArgs
+
+    speed = {k: v for k, v in flat.items() if k in SpeedArgs.model_fields}
+    return TrainArgs(**{k: v for k, v in flat.items() if k not in speed}), SpeedArgs(**speed)
+
 
 def lengths(n: int, seq: int) -> list[int]:
     import numpy as np
@@ -77,7 +85,7 @@ def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
     make_model_dir(spec["model_dir"])
     made = time.time() - t
     _write_tokenizer(Path(spec["model_dir"]))
-    import tasks.prepare_model as pm
+    import tasks.prepare_model.stage as pm
     from tasks.config import ModelArgs
 
     # hashing 16 GB of random weights costs ~30 s and proves nothing here: fingerprint by name and size
@@ -116,20 +124,20 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     _cap(spec.get("cap_gib", 0))
-    from tasks import train_adapter as ta
-    from tasks.batches import ParquetExamples
-    from tasks.config import LoraArgs, TrainArgs
+    from tasks.config import LoraArgs
+    from tasks.examples import ParquetExamples
+    from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])
     base = {"learning_rate": 2e-4, "logging_steps": 1, "save_steps": 10**6, "warmup_steps": 0,
             **spec.get("train", {})}
     t = time.time()
-    model = ta._peft_model(model_dir, LoraArgs(**spec.get("lora", {})), TrainArgs(**base))
+    model = fit._peft_model(model_dir, LoraArgs(**spec.get("lora", {})), *settings(base))
     out: dict[str, Any] = {"load_s": round(time.time() - t, 1), "runs": [],
                            "model_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 2)
                            if torch.cuda.is_available() else None}
     for i, run in enumerate(spec["runs"]):
-        train = TrainArgs(**{**base, **run.get("train", {})})
+        train = settings({**base, **run.get("train", {})})
         data = Path(spec["work"]) / f"data-{spec['name']}-{i}" / "train.parquet"
         lens = [run["fixed"]] * run["n"] if run.get("fixed") else lengths(run["n"], spec["seq"])
         rows = token_rows(lens, spec.get("vocab", VOCAB))
@@ -151,14 +159,14 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _train_once(model: Any, examples: Any, train: Any, out: Path, model_dir: Path, run: dict[str, Any]
+def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, model_dir: Path, run: dict[str, Any]
                 ) -> dict[str, Any]:
     import torch
     from transformers import TrainerCallback
 
-    from tasks import train_adapter as ta
+    from tasks.train_adapter import fit
 
-    trainer = ta._trainer(model, examples, train, out, model_dir)
+    trainer, _ = fit._trainer(model, examples, *train, out, model_dir)
     collator = trainer.data_collator
     res: dict[str, Any] = {}
     if run.get("loss_check"):
@@ -245,7 +253,7 @@ def _packing_check(model: Any, examples: Any, n: int = 4) -> dict[str, Any]:
     without position ids (plain causal attention across examples) shows what leaking between examples costs."""
     import torch
 
-    from tasks.batches import pack_collator
+    from tasks.train_adapter.packs import pack_collator
 
     inner = model.get_base_model().model
     dev = next(inner.parameters()).device

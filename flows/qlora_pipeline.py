@@ -8,12 +8,12 @@ from prefect import flow
 
 from tasks.artifacts import failure_summary
 from tasks.config import RunConfig
-from tasks.evaluate_adapter import evaluate_adapter
-from tasks.export_adapter import export_adapter
-from tasks.prepare_data import prepare_data
-from tasks.prepare_model import prepare_model
+from tasks.evaluate_adapter.stage import evaluate_adapter
+from tasks.export_adapter.stage import export_adapter
+from tasks.prepare_data.stage import prepare_data
+from tasks.prepare_model.stage import prepare_model
 from tasks.run_record import record_run
-from tasks.train_adapter import train_adapter
+from tasks.train_adapter.stage import train_adapter
 
 
 @flow(name="qlora-pipeline", on_failure=[failure_summary])
@@ -24,14 +24,14 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     are reused (shown as Cached) and a failed run resumes from the last completed stage.
 
     Args:
-        config: The whole run: runs_dir and one section per stage (data, model, lora, train, eval,
-            export). Every field has a default; the defaults run the embedded tiny model and sample
-            data on a CPU in a few minutes.
+        config: The whole run: runs_dir, one section per stage (data, model, lora, train, eval,
+            export) and speed (how training runs: levers, GPUs). Every field has a default; the defaults
+            run the embedded tiny model and sample data on a CPU in a few minutes.
     """
     runs = config.runs_dir
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)
-    adapter_dir = train_adapter(config.lora, config.train, runs, data_dir, model_dir)
+    adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir)
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
     return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.manifest import current_run_attempt
+from tasks.log import current_run_attempt
 
 
 def _in_run() -> bool:

@@ -60,7 +60,7 @@ class DataArgs(_Section):
     )
     pack_examples: bool = Field(
         False, description="Pack whole examples into rows of up to max_seq_length tokens at data time, with "
-        "position_ids restarting at each example. Off: train.packing packs per micro-batch at train time instead.",
+        "position_ids restarting at each example. Off: speed.packing packs per micro-batch at train time instead.",
     )
 
 
@@ -75,7 +75,7 @@ class ModelArgs(_Section):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8", description="Element type the packed 4-bit weights are stored in (the bits are the same). "
-        "train.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs), so FSDP can shard the 4-bit "
+        "speed.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs), so FSDP can shard the 4-bit "
         "layers together with the rest of each decoder layer.",
     )
 
@@ -95,16 +95,6 @@ class LoraArgs(_Section):
 
 
 class TrainArgs(_Section):
-    num_gpus: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        1, description="Data-parallel processes (torchrun + DDP), one per GPU; 'auto' = every visible GPU. "
-        "On a machine without GPUs, N > 1 runs N CPU processes with the gloo backend.",
-    )
-    fsdp: bool = Field(
-        False, description="With num_gpus > 1: shard the 4-bit base model, the LoRA weights, their gradients and "
-        "optimizer state across the GPUs (FSDP2) instead of a full copy per GPU (DDP), for models whose training "
-        "does not fit one GPU. Needs model.bnb_4bit_quant_storage equal to the compute dtype; GPUs only; trains with "
-        "optim adamw_torch (bitsandbytes' optimizers cannot update sharded parameters).",
-    )
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")
@@ -126,7 +116,24 @@ class TrainArgs(_Section):
     save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints.")
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between loss log lines.")
     seed: int = Field(42, description="Seed for LoRA init, data order and dropout.")
-    # Speed and memory levers (tasks/speed.py); the README's "Performance (GPU)" section has their measurements.
+
+
+class SpeedArgs(_Section):
+    """How train_adapter runs, not what it computes: speed and memory levers, data parallelism (README: Performance).
+
+    TrainArgs holds the transformers Trainer's own fields only; these are the pipeline's.
+    """
+
+    num_gpus: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Data-parallel processes (torchrun + DDP), one per GPU; 'auto' = every visible GPU. "
+        "On a machine without GPUs, N > 1 runs N CPU processes with the gloo backend.",
+    )
+    fsdp: bool = Field(
+        False, description="With num_gpus > 1: shard the 4-bit base model, the LoRA weights, their gradients and "
+        "optimizer state across the GPUs (FSDP2) instead of a full copy per GPU (DDP), for models whose training "
+        "does not fit one GPU. Needs model.bnb_4bit_quant_storage equal to the compute dtype; GPUs only; trains with "
+        "optim adamw_torch (bitsandbytes' optimizers cannot update sharded parameters).",
+    )
     packing: bool = Field(
         True, description="Pack whole examples into each micro-batch, each with its own position ids: no padding, "
         "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere).",
@@ -167,9 +174,9 @@ class TrainArgs(_Section):
     )
     fused_lora: bool | None = Field(
         None, description="Run each LoRA layer, its 4-bit base matmul included, as one autograd function (tasks/"
-        "fused_lora.py): the same maths with about a quarter fewer ops and half the autograd nodes per step, the "
-        "host-side work that small micro-batches on a GPU wait for. Layers with lora_dropout > 0 in training keep "
-        "peft's path. None: on, except with train.fsdp.",
+        "train_adapter/fused_lora.py): the same maths with about a quarter fewer ops and half the autograd nodes "
+        "per step, the host-side work that small micro-batches on a GPU wait for. Layers with lora_dropout > 0 "
+        "in training keep peft's path. None: on, except with speed.fsdp.",
     )
 
 
@@ -219,6 +226,7 @@ class RunConfig(_Section):
     model: ModelArgs = Field(default_factory=ModelArgs)
     lora: LoraArgs = Field(default_factory=LoraArgs)
     train: TrainArgs = Field(default_factory=TrainArgs)
+    speed: SpeedArgs = Field(default_factory=SpeedArgs)
     eval: EvalArgs = Field(default_factory=EvalArgs)
     export: ExportArgs = Field(default_factory=ExportArgs)
 
@@ -231,9 +239,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check_fsdp(self) -> RunConfig:
         storage, compute = self.model.bnb_4bit_quant_storage, self.model.bnb_4bit_compute_dtype
-        if self.train.fsdp and (storage == "uint8" or compute not in ("auto", storage)):
+        if self.speed.fsdp and (storage == "uint8" or compute not in ("auto", storage)):
             raise ValueError(
-                f"train.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+                f"speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
                 f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
                 f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}."
             )

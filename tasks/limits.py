@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tasks.errors import UserError
-from tasks.manifest import current_run_attempt
+from tasks.log import current_run_attempt
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts

@@ -1,9 +1,10 @@
 """Stage folders, cache keys and manifest.json: the on-disk contract between stages.
 
 A stage's output is `runs_dir/<stage>/<key>/`. The folder is done only when its manifest.json exists,
-parses, names the same stage and key, and every output file it lists has the recorded size: the
-manifest is written last and atomically, so a crash at any moment leaves either no manifest or a
-complete one, and a truncated output file is caught by its size.
+validates as a `Manifest` (with the metrics type of its stage), names the same key, and every output
+file it lists has the recorded size: the manifest is written last and atomically, so a crash at any
+moment leaves either no manifest or a complete one, and a truncated output file is caught by its size.
+Manifests are read and written here only; every other module reads them as typed objects.
 """
 
 from __future__ import annotations
@@ -19,15 +20,143 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from filelock import FileLock
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from tasks.log import logger
+from tasks.log import current_run_attempt, logger
 
 MANIFEST = "manifest.json"
 _VERSIONED = ["torch", "transformers", "peft", "bitsandbytes", "prefect", "pyarrow"]
 _FILE_HASH_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+class _Metrics(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataMetrics(_Metrics):
+    """prepare_data: the format chosen, what was dropped or cut, token-length percentiles."""
+
+    format: str
+    completion_only_loss: bool
+    chat_template: str | None
+    pack_examples: bool
+    rows_in: int
+    dropped_empty: int
+    dropped_prompt_too_long: int
+    truncated: int
+    truncated_tokens: int
+    rows_out: int
+    train_examples: int
+    eval_examples: int
+    train_rows: int
+    truncation_rate: float
+    len_p50: int
+    len_p90: int
+    len_p99: int
+    len_max: int
+    len_min: int
+    tokens: int
+    train_label_tokens: int
+    padding_waste: float
+
+
+class ModelMetrics(_Metrics):
+    """prepare_model: what later stages need to load the 4-bit checkpoint as it was made."""
+
+    memory_footprint_bytes: int
+    compute_dtype: str
+    device: str
+    linear_4bit_layers: int
+    attn_implementation: str
+
+
+class TrainMetrics(_Metrics):
+    """train_adapter: loss, steps, throughput and the micro-batches actually used."""
+
+    real_tokens_per_s: float
+    peak_gpu_allocated_gib: float | None = None
+    train_loss: float
+    optimizer_steps: int
+    train_examples: int
+    train_seconds: float | None
+    trainable_parameters: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    processes: int
+    sharding: Literal["none", "ddp", "fsdp"]
+
+
+class EvalMetrics(_Metrics):
+    """evaluate_adapter: base vs tuned on the held-out split."""
+
+    base_eval_loss: float
+    tuned_eval_loss: float
+    base_perplexity: float
+    tuned_perplexity: float
+    eval_examples: int
+    eval_tokens: int
+    relative_improvement: float
+    base_exact_match: float | None
+    tuned_exact_match: float | None
+    base_rouge_l: float | None
+    tuned_rouge_l: float | None
+    generation_samples: int
+    max_new_tokens: int
+    lm_eval: str | None = None
+
+
+class ExportMetrics(_Metrics):
+    """export_adapter: the registry verdict for the version this stage published."""
+
+    export_name: str
+    export_version: str
+    export_path: str
+    promotion: str
+    promotion_reason: str
+    champion_version: str | None
+    champion_tuned_eval_loss: float | None
+
+
+METRICS: dict[str, type[_Metrics]] = {"prepare_data": DataMetrics, "prepare_model": ModelMetrics,
+                                      "train_adapter": TrainMetrics, "evaluate_adapter": EvalMetrics,
+                                      "export_adapter": ExportMetrics}
+StageName = Literal["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
+
+
+class Upstream(BaseModel):
+    key: str
+    dir: str
+
+
+class Manifest(BaseModel):
+    """manifest.json: what produced a stage folder, what it holds, and the stage's typed metrics."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: StageName
+    key: str
+    version: str
+    params: dict[str, Any]  # the stage's config sections by name, e.g. {"model": {...}}
+    upstream: dict[str, Upstream]
+    fingerprint: dict[str, str]
+    outputs: dict[str, int]  # file name relative to the folder -> size in bytes
+    metrics: DataMetrics | ModelMetrics | TrainMetrics | EvalMetrics | ExportMetrics
+    versions: dict[str, str]
+    run_attempt: str | None
+    started_at: float
+    seconds: float
+    resumed_from_step: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metrics_of_stage(cls, data: Any) -> Any:
+        """Parse metrics with its stage's type (a union alone would take the first type that fits)."""
+        if isinstance(data, dict) and isinstance(data.get("metrics"), dict) and data.get("stage") in METRICS:
+            data = {**data, "metrics": METRICS[data["stage"]].model_validate(data["metrics"])}
+        return data
 
 
 def hash_json(obj: Any) -> str:
@@ -54,15 +183,15 @@ def files_fingerprint(paths: list[Path], root: Path | None = None) -> str:
     return hash_json(entries)
 
 
-def read_manifest(folder: Path) -> dict[str, Any] | None:
+def read_manifest(folder: Path) -> Manifest | None:
     """The folder's manifest if the stage finished there and its outputs are intact, else None."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = Manifest.model_validate_json((folder / MANIFEST).read_bytes())
+    except (OSError, ValidationError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("key") != folder.name:
+    if manifest.key != folder.name:
         return None
-    for name, size in manifest.get("outputs", {}).items():
+    for name, size in manifest.outputs.items():
         out = folder / name
         if not out.is_file() or out.stat().st_size != size:
             return None
@@ -74,7 +203,7 @@ def upstream_key(folder: Path | str) -> str:
     manifest = read_manifest(Path(folder))
     if manifest is None:
         raise RuntimeError(f"{folder} has no valid {MANIFEST}: its stage did not finish")
-    return manifest["key"]
+    return manifest.key
 
 
 def versions() -> dict[str, str]:
@@ -122,43 +251,25 @@ class StageRun:
     key: str
     done: bool
     started: float = field(default_factory=time.time)
-    extra: dict[str, Any] = field(default_factory=dict)
 
-    def finish(self, outputs: list[str], metrics: dict[str, Any] | None = None, **extra: Any) -> None:
+    def finish(self, outputs: list[str], metrics: dict[str, Any], resumed_from_step: int | None = None) -> Manifest:
         """Write manifest.json last, atomically; `outputs` are file names relative to the folder."""
-        manifest = {
-            "stage": self.spec.stage,
-            "key": self.key,
-            "version": self.spec.version,
-            "params": self.spec.params,
-            "upstream": {n: {"key": upstream_key(f), "dir": str(f)} for n, f in self.spec.upstream.items()},
-            "fingerprint": self.spec.fingerprint,
-            "outputs": {name: (self.dir / name).stat().st_size for name in sorted(outputs)},
-            "metrics": metrics or {},
-            "versions": versions(),
-            "run_attempt": current_run_attempt(),
-            "started_at": self.started,
-            "seconds": round(time.time() - self.started, 2),
-            **extra,
-        }
+        manifest = Manifest(
+            stage=self.spec.stage, key=self.key, version=self.spec.version, params=self.spec.params,
+            upstream={n: Upstream(key=upstream_key(f), dir=str(f)) for n, f in self.spec.upstream.items()},
+            fingerprint=self.spec.fingerprint,
+            outputs={name: (self.dir / name).stat().st_size for name in sorted(outputs)},
+            metrics=metrics, versions=versions(), run_attempt=current_run_attempt(), started_at=self.started,
+            seconds=round(time.time() - self.started, 2), resumed_from_step=resumed_from_step,
+        )
         tmp = self.dir / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, default=str))
+        tmp.write_text(manifest.model_dump_json(indent=2, exclude_unset=True))  # metrics as the stage reported them
         os.replace(tmp, self.dir / MANIFEST)
         self.done = True
-        from tasks.artifacts import stage_summary  # imports this module
+        from tasks.artifacts import stage_summary  # lazily: artifacts needs prefect, this module does not
 
-        stage_summary(manifest)
-
-
-def current_run_attempt() -> str | None:
-    """flow-run id and attempt number, so a summary can tell computed-now from reused."""
-    try:
-        from prefect.runtime import flow_run
-
-        run_id = flow_run.id
-    except Exception:  # outside any flow run (a stage called through .fn())
-        return None
-    return f"{run_id}:{flow_run.run_count}" if run_id else None
+        stage_summary(manifest.model_dump(mode="json"))
+        return manifest
 
 
 @contextmanager

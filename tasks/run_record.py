@@ -10,27 +10,27 @@ from typing import Any
 
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
-from tasks.manifest import current_run_attempt, read_manifest
+from tasks.log import current_run_attempt
+from tasks.manifest import Manifest, read_manifest
 
 
-def stage_status(manifest: dict[str, Any]) -> str:
+def stage_status(manifest: Manifest) -> str:
     """computed or resumed when this flow-run attempt wrote the manifest, else cached."""
     attempt = current_run_attempt()
-    if attempt is None or manifest.get("run_attempt") != attempt:
+    if attempt is None or manifest.run_attempt != attempt:
         return "cached"
-    return "resumed" if manifest.get("resumed_from_step") is not None else "computed"
+    return "resumed" if manifest.resumed_from_step is not None else "computed"
 
 
 def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     """Write runs_dir/runs/<time>-<attempt>/run.json and return the run summary."""
     manifests = [read_manifest(Path(d)) for d in stage_dirs]
-    stages = {m["stage"]: {"status": stage_status(m), "dir": d, "key": m["key"],
-                           **({"resumed_from_step": m["resumed_from_step"]}
-                              if m.get("resumed_from_step") is not None else {})}
+    stages = {m.stage: {"status": stage_status(m), "dir": d, "key": m.key,
+                        **({"resumed_from_step": m.resumed_from_step} if m.resumed_from_step is not None else {})}
               for m, d in zip(manifests, stage_dirs, strict=True)}
     attempt = (current_run_attempt() or f"local-{os.getpid()}").replace(":", "-")
     run_dir = Path(config.runs_dir).resolve() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{attempt[:8]}"
-    by_stage = {m["stage"]: m["metrics"] for m in manifests}
+    by_stage = {m.stage: m.metrics.model_dump() for m in manifests}
     # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason, champion_*)
     metrics = {**by_stage["evaluate_adapter"], **by_stage.get("export_adapter", {})}
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.manifest import files_fingerprint
+from tasks.manifest import ModelMetrics, files_fingerprint, read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -100,13 +100,18 @@ def load_quantized(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.manifest import read_manifest
-
-    manifest = read_manifest(model_dir) or {}
-    dtype = getattr(torch, manifest.get("metrics", {}).get("compute_dtype", "float32"))
+    made = read_model_metrics(model_dir)
     # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype,  # one GPU per data-parallel rank (torchrun's LOCAL_RANK)
+        model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (torchrun's LOCAL_RANK)
         device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
-        attn_implementation=manifest.get("params", {}).get("model", {}).get("attn_implementation", "sdpa"),
+        attn_implementation=made.attn_implementation,
     )
+
+
+def read_model_metrics(model_dir: Path) -> ModelMetrics:
+    """How prepare_model made the 4-bit checkpoint in model_dir (compute dtype, attention implementation)."""
+    manifest = read_manifest(model_dir)
+    if manifest is None or not isinstance(manifest.metrics, ModelMetrics):
+        raise RuntimeError(f"{model_dir} is not a finished prepare_model folder")
+    return manifest.metrics

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks import distributed
-from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, TrainArgs, load_config
+from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
 from tasks.manifest import read_manifest
-from tasks.prepare_data import prepare_data
-from tasks.prepare_model import prepare_model
-from tasks.train_adapter import train_adapter
+from tasks.prepare_data.stage import prepare_data
+from tasks.prepare_model.stage import prepare_model
+from tasks.train_adapter import launch, parallel
+from tasks.train_adapter.stage import train_adapter
 
 
 def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,16 +26,17 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytes
     runs = tmp_path / "runs"
     data_dir = prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs)
     model_dir = prepare_model.fn(ModelArgs(), runs)
-    monkeypatch.setenv(distributed.DUMP_STACKS_EVERY, "3")  # the ranks' stacks, as for a stuck run
+    monkeypatch.setenv(launch.DUMP_STACKS_EVERY, "3")  # the ranks' stacks, as for a stuck run
     results = {}
     for processes in (1, 2):
-        train = TrainArgs(num_gpus=processes, max_steps=12, save_steps=5, logging_steps=1, learning_rate=2e-3,
-                          packing=False, per_device_train_batch_size=8 // processes)  # same global batch
-        folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, runs, data_dir, model_dir))
+        train = TrainArgs(max_steps=12, save_steps=5, logging_steps=1, learning_rate=2e-3,
+                          per_device_train_batch_size=8 // processes)  # same global batch
+        speed = SpeedArgs(num_gpus=processes, packing=False)
+        folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, speed, runs, data_dir, model_dir))
         manifest = read_manifest(folder)
         log = (folder / "loss.jsonl").read_text().splitlines()
-        results[processes] = {"metrics": manifest["metrics"], "losses": [json.loads(x)["loss"] for x in log],
-                              "rank_log": (folder / distributed.LOG).read_text() if processes > 1 else "",
+        results[processes] = {"metrics": manifest.metrics.model_dump(), "losses": [json.loads(x)["loss"] for x in log],
+                              "rank_log": (folder / launch.LOG).read_text() if processes > 1 else "",
                               "adapter": load_file(folder / "adapter" / "adapter_model.safetensors")}
     one, two = results[1], results[2]
     assert two["metrics"]["processes"] == 2 and one["metrics"]["processes"] == 1
@@ -43,7 +44,7 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytes
     assert {k: v.shape for k, v in two["adapter"].items()} == {k: v.shape for k, v in one["adapter"].items()}
     assert len(two["losses"]) == 12  # rank 0 alone writes the loss log
     assert (one["metrics"]["sharding"], two["metrics"]["sharding"]) == ("none", "ddp")
-    assert "Thread 0x" in two["rank_log"] and "tasks/train_adapter.py" in two["rank_log"]  # periodic stack dumps
+    assert "Thread 0x" in two["rank_log"] and "tasks/train_adapter/fit.py" in two["rank_log"]  # periodic stack dumps
     assert one["metrics"]["real_tokens_per_s"] > 0 and two["metrics"]["real_tokens_per_s"] > 0
     # same global batch of 8 (4 per rank), different example order: close, not identical
     assert abs(two["metrics"]["train_loss"] - one["metrics"]["train_loss"]) < 0.1 * one["metrics"]["train_loss"]
@@ -51,12 +52,12 @@ def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytes
 
 def test_fsdp_needs_the_4bit_weights_stored_in_the_compute_dtype() -> None:
     with pytest.raises(ValidationError, match="model.bnb_4bit_quant_storage=bfloat16"):
-        load_config(None, ["train.fsdp=true", "train.num_gpus=2"])
+        load_config(None, ["speed.fsdp=true", "speed.num_gpus=2"])
     with pytest.raises(ValidationError, match="model.bnb_4bit_quant_storage=float16"):
-        load_config(None, ["train.fsdp=true", "model.bnb_4bit_compute_dtype=float16",
+        load_config(None, ["speed.fsdp=true", "model.bnb_4bit_compute_dtype=float16",
                            "model.bnb_4bit_quant_storage=bfloat16"])
-    config = load_config(None, ["train.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"])
-    assert config.train.fsdp and config.model.bnb_4bit_quant_storage == "bfloat16"
+    config = load_config(None, ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"])
+    assert config.speed.fsdp and config.model.bnb_4bit_quant_storage == "bfloat16"
 
 
 def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Path,
@@ -80,8 +81,8 @@ def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Pat
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="needs GPUs"):
-        distributed.fsdp_settings(TrainArgs(fsdp=True, num_gpus=2), model)
-    assert distributed.fsdp_settings(TrainArgs(num_gpus=2), model) == {}
+        parallel.fsdp_settings(TrainArgs(), SpeedArgs(fsdp=True, num_gpus=2), model)
+    assert parallel.fsdp_settings(TrainArgs(), SpeedArgs(num_gpus=2), model) == {}
 
 
 def _sharded_adapter_rank(rank: int, folder: str, port: int) -> None:
@@ -109,7 +110,7 @@ def _sharded_adapter_rank(rank: int, folder: str, port: int) -> None:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    distributed.save_sharded_adapter(model, Path(folder) / "sharded")
+    parallel.save_sharded_adapter(model, Path(folder) / "sharded")
     dist.destroy_process_group()
 
 

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
-from tasks.config import EMBEDDED_DATA, DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, TrainArgs
-from tasks.evaluate_adapter import evaluate_adapter
-from tasks.export_adapter import export_adapter
-from tasks.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
+from tasks.config import EMBEDDED_DATA, DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
+from tasks.evaluate_adapter.stage import evaluate_adapter
+from tasks.export_adapter import registry
+from tasks.export_adapter.stage import export_adapter
 from tasks.manifest import MANIFEST, read_manifest
-from tasks.prepare_data import prepare_data
-from tasks.prepare_model import prepare_model
-from tasks.train_adapter import train_adapter
+from tasks.prepare_data.stage import prepare_data
+from tasks.prepare_model.stage import prepare_model
+from tasks.train_adapter.stage import train_adapter
 
 SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}
 
@@ -32,7 +32,8 @@ def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
     out: dict[str, Any] = {"runs": runs, "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
                            "model": prepare_model.fn(ModelArgs(), runs)}
-    out["adapter"] = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=4, logging_steps=1), runs,
+    out["adapter"] = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=4, logging_steps=1), SpeedArgs(),
+                                      runs,
                                       out["data"], out["model"])
     out["eval"] = evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), runs, out["data"], out["model"], out["adapter"])
     return out
@@ -82,7 +83,7 @@ def test_evaluate_writes_metrics_and_samples(stages: dict[str, Any]) -> None:
     folder = Path(stages["eval"])
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
         "manifest.json", "metrics.json", "samples.jsonl"]
-    metrics = read_manifest(folder)["metrics"]
+    metrics = read_manifest(folder).metrics.model_dump(exclude_unset=True)
     assert metrics == json.loads((folder / "metrics.json").read_text())
     assert metrics["eval_examples"] == 12 and metrics["generation_samples"] == 6
     samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
@@ -111,7 +112,7 @@ def test_lm_eval_tasks_skipped_with_a_note_when_not_installed(stages: dict[str, 
     args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["hellaswag"])
     with caplog.at_level(logging.WARNING):
         folder = Path(evaluate_adapter.fn(args, tmp_path, stages["data"], stages["model"], stages["adapter"]))
-    assert read_manifest(folder)["metrics"]["lm_eval"] == "skipped: lm_eval not installed"
+    assert read_manifest(folder).metrics.model_dump(exclude_unset=True)["lm_eval"] == "skipped: lm_eval not installed"
     assert "eval.lm_eval_tasks=['hellaswag'] skipped: lm-evaluation-harness is not installed" in caplog.text
     assert not (folder / "lm_eval.json").exists()
 
@@ -141,7 +142,7 @@ def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(stages: dict[str, An
                                                                            "limit": 10}]
     assert json.loads((folder / "lm_eval.json").read_text()) == {"base": {"arc_easy": {"acc,none": 0.25}},
                                                                  "tuned": {"arc_easy": {"acc,none": 0.75}}}
-    assert read_manifest(folder)["metrics"]["lm_eval"] == "lm_eval.json"
+    assert read_manifest(folder).metrics.model_dump(exclude_unset=True)["lm_eval"] == "lm_eval.json"
 
 
 # --- export_adapter -----------------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path
     files = sorted(str(p.relative_to(folder / "merged")) for p in (folder / "merged").rglob("*") if p.is_file())
     assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                      "tokenizer_config.json"]
-    assert set(read_manifest(folder)["outputs"]) >= {f"merged/{f}" for f in files}
+    assert set(read_manifest(folder).outputs) >= {f"merged/{f}" for f in files}
     ids = torch.tensor([[1, 37, 215, 96, 512, 7, 300, 44, 901, 12, 2]])
     tuned = PeftModel.from_pretrained(load_quantized(Path(stages["model"])), Path(stages["adapter"]) / "adapter")
     for module in tuned.modules():
@@ -186,14 +187,14 @@ def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path
 
 def test_model_card_has_metrics_settings_and_load_command(stages: dict[str, Any], tmp_path: Path) -> None:
     folder = Path(export_adapter.fn(ExportArgs(name="cardtest"), tmp_path, *_upstream(stages)))
-    metrics = read_manifest(Path(stages["eval"]))["metrics"]
+    metrics = read_manifest(Path(stages["eval"])).metrics.model_dump(exclude_unset=True)
     version = tmp_path.resolve() / "exports" / "cardtest" / "v0001"
     for card in ((folder / "README.md").read_text(), (version / "README.md").read_text()):
         for label, key in [("eval loss", "eval_loss"), ("perplexity", "perplexity"),
                            ("exact match", "exact_match"), ("ROUGE-L", "rouge_l")]:
             assert f"| {label} | {metrics['base_' + key]:.4f} | {metrics['tuned_' + key]:.4f} |" in card
         data_manifest = read_manifest(Path(stages["data"]))
-        assert data_manifest["fingerprint"]["data"] in card
+        assert data_manifest.fingerprint["data"] in card
         assert "base_model: " + str(ModelArgs().base_model) in card and "revision `local folder`" in card
         assert '"r": 4, "lora_alpha": 8' in card and '"max_steps": 4' in card
         assert 'bnb_4bit_quant_type="nf4"' in card and "revision=None" in card
@@ -240,7 +241,7 @@ def test_registry_gate_promotes_first_rejects_worse_promotes_better(stages: dict
 def test_export_publishes_once_per_stage_key_and_records_the_verdict(stages: dict[str, Any], tmp_path: Path) -> None:
     first = Path(export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages)))
     root = tmp_path.resolve() / "exports" / "gate"
-    metrics = read_manifest(first)["metrics"]
+    metrics = read_manifest(first).metrics.model_dump(exclude_unset=True)
     assert metrics["export_version"] == "v0001" and metrics["promotion"] == "promoted"
     assert metrics["champion_version"] == "v0001" and metrics["export_path"] == str(root / "v0001")
     # a cached re-run (the stage folder is done) publishes nothing
@@ -252,7 +253,7 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(stages: dic
     assert [r["version"] for r in registry.versions(root)] == ["v0001"]
     # new export settings = a new stage key = a new version; the same adapter does not beat itself by 1%
     second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="2GB"), tmp_path, *_upstream(stages)))
-    metrics = read_manifest(second)["metrics"]
+    metrics = read_manifest(second).metrics.model_dump(exclude_unset=True)
     assert metrics["export_version"] == "v0002" and metrics["promotion"] == "rejected"
     assert metrics["promotion_reason"].startswith("tuned eval loss") and "does not beat champion v0001" in (
         metrics["promotion_reason"])

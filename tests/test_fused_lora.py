@@ -1,4 +1,4 @@
-"""train.fused_lora: each LoRA layer as one autograd Function gives peft's outputs and gradients, and a training
+"""speed.fused_lora: each LoRA layer as one autograd Function gives peft's outputs and gradients, and a training
 run with it gives the same losses and a normal PEFT adapter."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, TrainArgs
+from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 
 torch = pytest.importorskip("torch")
 
@@ -61,7 +61,7 @@ def _runs_fused(layer: Any) -> bool:
 @pytest.mark.parametrize("base", ["4bit", "linear"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_fused_layers_give_peft_outputs_and_gradients(base: str, autocast: bool) -> None:
-    from tasks.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.fused_lora import fuse_lora_layers
 
     reference = _loss_and_grads(_lora_model(base), autocast)
     model = _lora_model(base)
@@ -89,7 +89,7 @@ def test_fused_layers_give_peft_outputs_and_gradients(base: str, autocast: bool)
 
 def test_single_layer_matches_peft_in_fp32_and_bf16() -> None:
     """One 4-bit LoRA layer alone: output and the gradients of x, A and B, at tight tolerances."""
-    from tasks.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     model = _lora_model("4bit")
     layer = _q_proj(model)
@@ -111,7 +111,7 @@ def test_single_layer_matches_peft_in_fp32_and_bf16() -> None:
 
 
 def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
-    from tasks.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.fused_lora import fuse_lora_layers
 
     model = _lora_model("4bit", dropout=0.1)
     fuse_lora_layers(model)
@@ -134,8 +134,8 @@ def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from tasks.prepare_data import prepare_data
-    from tasks.prepare_model import prepare_model
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.prepare_model.stage import prepare_model
 
     runs = tmp_path_factory.mktemp("runs")
     data = tmp_path_factory.mktemp("data") / "d.jsonl"
@@ -149,13 +149,13 @@ def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stage
     from peft import PeftModel
 
     from tasks.runtime import load_quantized
-    from tasks.train_adapter import train_adapter
+    from tasks.train_adapter.stage import train_adapter
 
     folders, losses = {}, {}
     for fused in (False, True):
-        train = TrainArgs(max_steps=4, save_steps=10, logging_steps=1, fused_lora=fused,
-                          per_device_train_batch_size=4)
-        folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, Path(stages["runs"]), stages["data"],
+        train = TrainArgs(max_steps=4, save_steps=10, logging_steps=1, per_device_train_batch_size=4)
+        folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, SpeedArgs(fused_lora=fused),
+                                       Path(stages["runs"]), stages["data"],
                                        stages["model"]))
         folders[fused] = folder
         losses[fused] = [json.loads(line)["loss"] for line in (folder / "loss.jsonl").read_text().splitlines()]
@@ -176,9 +176,9 @@ def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stage
 
 
 def test_prepare_peft_fuses_by_default_and_not_when_off() -> None:
-    from tasks import speed
-    from tasks.fused_lora import PATCHED
+    from tasks.train_adapter.fused_lora import PATCHED
+    from tasks.train_adapter.plan import prepare_peft
 
     for setting, expected in ((None, 4 * len(ALL)), (True, 4 * len(ALL)), (False, 0)):
-        model = speed.prepare_peft(_lora_model("linear"), TrainArgs(fused_lora=setting))
+        model = prepare_peft(_lora_model("linear"), SpeedArgs(fused_lora=setting))
         assert sum(hasattr(m, PATCHED) for m in model.modules()) == expected

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.batches import ParquetExamples
 from tasks.config import EMBEDDED_MODEL, DataArgs, ModelArgs
-from tasks.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER
+from tasks.examples import ParquetExamples
 from tasks.manifest import read_manifest
-from tasks.prepare_data import prepare_data, spec
+from tasks.prepare_data.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER
+from tasks.prepare_data.stage import prepare_data, spec
 
 TOKENIZER = None
 
@@ -45,7 +45,7 @@ def run(tmp_path: Path, source: Path | str, model: ModelArgs | None = None, **da
     manifest = read_manifest(folder)
     assert manifest is not None
     assert sorted(p.name for p in folder.iterdir()) == ["eval.parquet", "manifest.json", "train.parquet"]
-    return {**manifest, "dir": folder, "train": pq.read_table(folder / "train.parquet").to_pylist(),
+    return {**manifest.model_dump(), "dir": folder, "train": pq.read_table(folder / "train.parquet").to_pylist(),
             "eval": pq.read_table(folder / "eval.parquet").to_pylist()}
 
 
@@ -291,15 +291,15 @@ def test_cache_key_follows_every_byte_of_every_file(tmp_path: Path) -> None:
 
 
 def test_worker_pool_gives_the_same_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tasks.data_sources
-    import tasks.data_tokenize
-    import tasks.prepare_data
+    import tasks.prepare_data.sources
+    import tasks.prepare_data.stage
+    import tasks.prepare_data.tokenization
 
     source = write_jsonl(tmp_path / "d.jsonl", dolly(300))
     alone = run(tmp_path / "one", source)
-    monkeypatch.setattr(tasks.data_tokenize, "POOL_AFTER_CHUNKS", 1)
-    monkeypatch.setattr(tasks.prepare_data.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
-    monkeypatch.setattr(tasks.data_sources, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(tasks.prepare_data.tokenization, "POOL_AFTER_CHUNKS", 1)
+    monkeypatch.setattr(tasks.prepare_data.stage.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(tasks.prepare_data.sources, "CHUNK_ROWS", 64)
     pooled = run(tmp_path / "pool", source)
     assert pooled["train"] == alone["train"] and pooled["eval"] == alone["eval"]
     # a __main__ that a spawned process cannot re-import (`python - <script`): everything stays in this process

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.config import PROJECT_ROOT, DataArgs, ModelArgs
-from tasks.prepare_data import prepare_data
+from tasks.prepare_data.stage import prepare_data
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"
 DOLLY = SHARED / "dolly" / "dolly_open_qa.jsonl"

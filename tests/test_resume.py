@@ -49,7 +49,7 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
     steps = 40
     args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
         small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 5,
-                                          "train.num_gpus": processes})), [])]
+                                          "speed.num_gpus": processes})), [])]
     env = cli_env(tmp_path / "prefect")
     proc = cli(args, env, tmp_path / "first")
     checkpoints = tmp_path / "runs" / "train_adapter"
@@ -88,7 +88,8 @@ def _processes_mentioning(text: str) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if text in cmdline.read_bytes().decode(errors="replace") and "tasks.distributed" in cmdline.read_text():
+            line = cmdline.read_bytes().decode(errors="replace")
+            if text in line and "tasks.train_adapter.launch" in line:
                 found.append(int(cmdline.parent.name))
         except OSError:  # ended meanwhile
             pass
@@ -114,16 +115,16 @@ def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, m
     import torch
     from transformers import Trainer
 
-    from tasks.config import DataArgs, LoraArgs, ModelArgs, TrainArgs
-    from tasks.prepare_data import prepare_data
-    from tasks.prepare_model import prepare_model
-    from tasks.train_adapter import train_adapter
+    from tasks.config import DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.prepare_model.stage import prepare_model
+    from tasks.train_adapter.stage import train_adapter
 
     real_step = Trainer.training_step
     seen: list[int] = []
 
     def step_that_ooms_above_2(self, model, inputs, *args, **kwargs):  # a GPU with room for 2 examples
-        packed = "cu_seq_lens_q" in inputs  # train.packing: one row of whole examples
+        packed = "cu_seq_lens_q" in inputs  # speed.packing: one row of whole examples
         seen.append(inputs["cu_seq_lens_q"].numel() - 1 if packed else inputs["input_ids"].shape[0])
         if seen[-1] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -134,7 +135,7 @@ def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, m
     data_dir = prepare_data.fn(DataArgs(source=str(small_data)), ModelArgs(), runs)
     model_dir = prepare_model.fn(ModelArgs(), runs)
     train = TrainArgs(max_steps=3, per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    out = Path(train_adapter.fn(LoraArgs(), train, runs, data_dir, model_dir))
+    out = Path(train_adapter.fn(LoraArgs(), train, SpeedArgs(), runs, data_dir, model_dir))
     metrics = json.loads((out / "manifest.json").read_text())["metrics"]
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (2, 4)
     assert metrics["optimizer_steps"] == 3

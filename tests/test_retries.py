@@ -34,7 +34,7 @@ def test_only_network_failures_count_as_transient(exc: BaseException, expected: 
 def _flow_with(stage_calls: list[str], failure: BaseException, tmp_path: Path) -> tuple[str, int]:
     from prefect import flow
 
-    import tasks.prepare_model as stage
+    import tasks.prepare_model.stage as stage
 
     real = stage.model_path
 

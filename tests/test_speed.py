@@ -6,8 +6,13 @@ from typing import Any
 
 import pytest
 
-from tasks.batches import PackedExamples, pack_collator, plan_packs
-from tasks.config import EMBEDDED_MODEL
+from tasks.config import EMBEDDED_MODEL, SpeedArgs, TrainArgs
+from tasks.train_adapter.attention import VARLEN, packed_attention
+from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+from tasks.train_adapter.loss import use_fused_loss
+from tasks.train_adapter.mlp import tile_mlp
+from tasks.train_adapter.packs import PackedExamples, pack_collator, plan_packs
+from tasks.train_adapter.plan import training_batches
 
 torch = pytest.importorskip("torch")
 
@@ -82,17 +87,16 @@ def test_packed_rows_give_each_example_its_unpacked_loss(attention: str) -> None
     """No example attends to another: per-example losses in one packed row equal those run one by one."""
     from transformers import AttentionInterface
 
-    from tasks import speed
 
     model = _tiny()
     examples = _examples([17, 64, 3, 120, 40])
     expected = _per_example_loss_unpacked(model, examples)
     if attention == "packed_attention":  # the GPU path's function, on its CPU fallback
-        AttentionInterface.register(speed.VARLEN, speed.packed_attention)
+        AttentionInterface.register(VARLEN, packed_attention)
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        ALL_MASK_ATTENTION_FUNCTIONS.register(speed.VARLEN, lambda *a, **k: None)
-        model.set_attn_implementation(speed.VARLEN)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *a, **k: None)
+        model.set_attn_implementation(VARLEN)
     packed = _per_example_loss_packed(model, examples)
     torch.testing.assert_close(packed, expected, rtol=1e-4, atol=1e-4)
     # and packing really mixes rows: a mask that lets examples see each other changes the losses
@@ -106,7 +110,6 @@ def test_packed_rows_give_each_example_its_unpacked_loss(attention: str) -> None
 
 
 def test_fused_cross_entropy_matches_transformers_loss_and_gradients() -> None:
-    from tasks import speed
 
     examples = _examples([30, 50, 9])
     batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
@@ -115,7 +118,7 @@ def test_fused_cross_entropy_matches_transformers_loss_and_gradients() -> None:
     for fused in (False, True):
         model = _tiny().train()
         if fused:
-            assert speed.use_fused_loss(model)
+            assert use_fused_loss(model)
         loss = model(**inputs).loss
         loss.backward()
         results.append((loss.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
@@ -126,7 +129,6 @@ def test_fused_cross_entropy_matches_transformers_loss_and_gradients() -> None:
 def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from tasks import speed
 
     examples = _examples([30, 50, 9])
     batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
@@ -136,7 +138,7 @@ def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
         torch.manual_seed(1)
         base = _tiny()
         if mode != "none":
-            speed.enable_checkpointing(base, offload=mode == "offload")
+            enable_checkpointing(base, offload=mode == "offload")
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "down_proj"],
                           init_lora_weights="gaussian")
         model = get_peft_model(base, lora).train()
@@ -154,7 +156,6 @@ def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
     the loss and every LoRA gradient, the first layer's included, stay the same."""
     from peft import LoraConfig, get_peft_model
 
-    from tasks import speed
 
     examples = _examples([30, 50, 9])
     batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
@@ -166,14 +167,14 @@ def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
                                                    init_lora_weights="gaussian"))
         table = model.get_input_embeddings().weight.detach().clone()
         if offload:
-            assert speed.offload_embeddings(model)
+            assert offload_embeddings(model)
             assert not any("embed_tokens" in name for name, _ in model.named_parameters())
             assert "embed_tokens" not in "".join(model.state_dict())
             model.to(torch.float64)  # what moves or casts the model's tensors leaves the table alone
             assert model.get_input_embeddings().weight.dtype == table.dtype
             torch.testing.assert_close(model.get_input_embeddings().weight, table, rtol=0, atol=0)
             model.to(torch.float32)
-        speed.enable_checkpointing(model.get_base_model(), offload=False)  # the input gradient hook, as in training
+        enable_checkpointing(model.get_base_model(), offload=False)  # the input gradient hook, as in training
         loss = model.train()(**inputs).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
@@ -191,16 +192,13 @@ def test_training_batches_records_what_it_chose(overrides: dict[str, Any]) -> No
     to, and the record says what was done to the model."""
     from peft import LoraConfig, get_peft_model
 
-    from tasks import speed
-    from tasks.config import TrainArgs
-
     model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
-    packs, _, choice = speed.training_batches(model, _examples([30, 50, 9, 12]), TrainArgs(**overrides))
+    packs, _, chosen = training_batches(model, _examples([30, 50, 9, 12]), TrainArgs(), SpeedArgs(**overrides))
     embeddings_on_host = type(model.get_input_embeddings()).__name__ == "HostEmbedding"
-    assert choice["offload_activations"] == bool(overrides.get("offload_activations"))
-    assert choice["offload_embeddings"] == embeddings_on_host == (overrides.get("offload_embeddings", True)
-                                                                  and choice["offload_activations"])
-    assert choice["max_tokens_per_batch"] is None and len(packs) == 1  # on CPU: 8 examples per pack
+    assert chosen.offload_activations == bool(overrides.get("offload_activations"))
+    assert chosen.offload_embeddings == embeddings_on_host == (overrides.get("offload_embeddings", True)
+                                                               and chosen.offload_activations)
+    assert chosen.max_tokens_per_batch is None and len(packs) == chosen.packs == 1  # on CPU: 8 examples per pack
 
 
 def test_packed_examples_by_count_on_cpu() -> None:
@@ -213,7 +211,7 @@ def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) ->
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.batches import ParquetExamples
+    from tasks.examples import ParquetExamples
 
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7]], "labels": [[-100, 2, 3, -100, 5], [-100, 7]],
                              "position_ids": [[0, 1, 2, 0, 1], [0, 1]], "seq_lengths": [[3, 2], [2]]}),
@@ -226,7 +224,6 @@ def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) ->
 def test_tiled_mlp_gives_the_same_loss_and_gradients() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from tasks import speed
 
     examples = _examples([30, 50, 9])
     batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
@@ -235,8 +232,8 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients() -> None:
     for tiled in (False, True):
         base = _tiny()
         if tiled:
-            assert speed.tile_mlp(base, 16) == 4  # 89 tokens in 6 chunks
-        speed.enable_checkpointing(base, offload=False)
+            assert tile_mlp(base, 16) == 4  # 89 tokens in 6 chunks
+        enable_checkpointing(base, offload=False)
         torch.manual_seed(1)
         model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj", "down_proj"],
                                                 init_lora_weights="gaussian")).train()

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, TrainArgs
+from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.manifest import read_manifest
-from tasks.prepare_data import prepare_data
-from tasks.prepare_model import prepare_model
-from tasks.train_adapter import train_adapter
+from tasks.prepare_data.stage import prepare_data
+from tasks.prepare_model.stage import prepare_model
+from tasks.train_adapter.stage import train_adapter
 
 PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -31,15 +31,16 @@ def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_prepare_model_writes_a_4bit_checkpoint_and_module_report(stages: dict[str, str]) -> None:
     folder = Path(stages["model"])
     manifest = read_manifest(folder)
-    assert manifest["stage"] == "prepare_model" and manifest["key"] == folder.name
+    assert manifest.stage == "prepare_model" and manifest.key == folder.name
     modules = json.loads((folder / "modules.json").read_text())
     assert modules["targetable"] == PROJECTIONS
     assert modules["linear_4bit"] == dict.fromkeys(PROJECTIONS, 4)  # 4 layers, lm_head stays unquantized
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
     assert config["quantization_config"]["bnb_4bit_use_double_quant"] is True
-    assert manifest["metrics"]["compute_dtype"] == "float32"  # CPU
-    assert 0 < manifest["metrics"]["memory_footprint_bytes"] < (EMBEDDED_MODEL / "model.safetensors").stat().st_size
+    assert manifest.metrics.compute_dtype == "float32"  # CPU
+    assert manifest.metrics.attn_implementation == "sdpa"
+    assert 0 < manifest.metrics.memory_footprint_bytes < (EMBEDDED_MODEL / "model.safetensors").stat().st_size
 
 
 def test_prepare_data_masks_prompts_and_splits_by_content(stages: dict[str, str]) -> None:
@@ -48,7 +49,7 @@ def test_prepare_data_masks_prompts_and_splits_by_content(stages: dict[str, str]
     folder = Path(stages["data"])
     train = pq.read_table(folder / "train.parquet").to_pylist()
     evals = pq.read_table(folder / "eval.parquet").to_pylist()
-    metrics = read_manifest(folder)["metrics"]
+    metrics = read_manifest(folder).metrics.model_dump()
     assert len(train) + len(evals) == metrics["rows_in"] == 200
     assert metrics["format"] == "dolly" and metrics["completion_only_loss"] is True
     row = train[0]
@@ -61,20 +62,20 @@ def test_train_adapter_alone_writes_a_loadable_adapter(stages: dict[str, str]) -
     from peft import PeftConfig
 
     train = TrainArgs(max_steps=3, save_steps=2, logging_steps=1)
-    folder = Path(train_adapter.fn(LoraArgs(r=4, lora_alpha=8), train, Path(stages["runs"]), stages["data"],
-                                   stages["model"]))
+    folder = Path(train_adapter.fn(LoraArgs(r=4, lora_alpha=8), train, SpeedArgs(), Path(stages["runs"]),
+                                   stages["data"], stages["model"]))
     config = PeftConfig.from_pretrained(folder / "adapter")
     assert config.r == 4 and sorted(config.target_modules) == PROJECTIONS
     assert not (folder / "checkpoints").exists()  # removed once the adapter is saved
     losses = [json.loads(line) for line in (folder / "loss.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in losses] == [1, 2, 3]
-    assert read_manifest(folder)["metrics"]["optimizer_steps"] == 3
+    assert read_manifest(folder).metrics.model_dump()["optimizer_steps"] == 3
 
 
 def test_unknown_target_modules_fail_before_training_and_list_the_real_ones(stages: dict[str, str],
                                                                              tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
-        train_adapter.fn(LoraArgs(target_modules=["q_proj", "c_attn", "qkv"]), TrainArgs(max_steps=1),
+        train_adapter.fn(LoraArgs(target_modules=["q_proj", "c_attn", "qkv"]), TrainArgs(max_steps=1), SpeedArgs(),
                          tmp_path, stages["data"], stages["model"])
     message = str(err.value)
     assert "lora.target_modules names c_attn, qkv, which" in message
@@ -95,8 +96,8 @@ def test_gpt2_tutorial_targets_are_refused_with_c_attn_listed(tmp_path: Path) ->
         "c_attn", "c_fc", "c_proj"]
     with pytest.raises(UserError, match="names q_proj, v_proj, which .* does not have. Its layers LoRA can target "
                                         "are: c_attn, c_fc, c_proj"):
-        train_adapter.fn(LoraArgs(target_modules=["q_proj", "v_proj"]), TrainArgs(max_steps=1), tmp_path / "runs",
-                         "unused", model_dir)
+        train_adapter.fn(LoraArgs(target_modules=["q_proj", "v_proj"]), TrainArgs(max_steps=1), SpeedArgs(),
+                         tmp_path / "runs", "unused", model_dir)
 
 
 def test_missing_model_folder_is_a_user_error(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_hub_model_id_resolves_through_the_hub_cache(tmp_path: Path, monkeypatch
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    from tasks.prepare_model import spec
+    from tasks.prepare_model.stage import spec
 
     args = ModelArgs(base_model="tiny-org/tiny-llama")
     assert spec(args, tmp_path / "runs").fingerprint == {"hub_repo": "tiny-org/tiny-llama", "hub_commit": commit}

@@ -1,11 +1,11 @@
 """Data-parallel train_adapter: one process per GPU through torchrun, never a home-made launcher.
 
-train_adapter (the Prefect task) stays in the parent process: it takes the stage lock and the GPU slot,
-starts torchrun (`python -m tasks.distributed launch PID --standalone --nproc_per_node N -m tasks.distributed
-ARGS.json`: torch.distributed.run's own main, in a process that ends with the task) and, once every rank has
-exited cleanly, writes the manifest from what rank 0 reported. Each rank loads the 4-bit model on its own
-GPU (LOCAL_RANK); the transformers Trainer wraps it in DDP, or with train.fsdp shards it with FSDP2.
-Checkpoints, resume and the loss log are rank 0's. On a machine without GPUs the ranks are CPU processes
+train_adapter (the Prefect task) stays in the parent process: it takes the stage lock and the GPU slot, starts
+torchrun (`python -m tasks.train_adapter.launch launch PID --standalone --nproc_per_node N -m
+tasks.train_adapter.launch ARGS.json`: torch.distributed.run's own main, in a process that ends with the task)
+and, once every rank has exited cleanly, writes the manifest from what rank 0 reported. Each rank loads the 4-bit
+model on its own GPU (LOCAL_RANK); the transformers Trainer wraps it in DDP, or with speed.fsdp shards it with
+FSDP2. Checkpoints, resume and the loss log are rank 0's. On a machine without GPUs the ranks are CPU processes
 with the gloo backend (how the CPU tests exercise this path). Multi-node: see the README's "Multi-GPU".
 """
 
@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from tasks.config import LoraArgs, TrainArgs
+from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
 
@@ -33,80 +33,18 @@ LOG = "distributed.log"  # the ranks' output, beside the checkpoints in the stag
 DUMP_STACKS_EVERY = "QLORA_DUMP_STACKS_EVERY"  # seconds; each rank then prints its Python stacks that often
 
 
-def world_size(train: TrainArgs) -> int:
-    """Processes to train with: train.num_gpus, with 'auto' = every visible GPU (1 on a CPU machine)."""
-    if train.num_gpus != "auto":
-        return int(train.num_gpus)
-    import torch
-
-    return max(torch.cuda.device_count(), 1)
-
-
-def several_processes() -> bool:
-    """True in a rank of a group of more than one process (torchrun sets WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def fsdp_settings(train: TrainArgs, model: Any) -> dict[str, Any]:
-    """TrainingArguments keywords for train.fsdp under torchrun: FSDP2 over the decoder layers (the model's
-    _no_split_modules), sharded checkpoints of the trainable weights only. {} when not sharding."""
-    if not train.fsdp or not several_processes():
-        return {}
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UserError("train.fsdp needs GPUs (FSDP shards over NCCL); on CPU, leave it off: num_gpus > 1 then "
-                        "trains data-parallel with gloo.")
-    quant = getattr(model.config, "quantization_config", None)
-    storage, compute = (_dtype_name(getattr(quant, f"bnb_4bit_{k}", None)) for k in ("quant_storage", "compute_dtype"))
-    if quant is not None and storage != compute:
-        raise UserError(f"train.fsdp: the 4-bit checkpoint stores its weights as {storage}, but FSDP can only "
-                        f"shard them with the rest of each layer when that is the compute dtype ({compute}). Set "
-                        f"model.bnb_4bit_quant_storage={compute} (prepare_model then writes a new checkpoint).")
-    # Sharded state dicts: each rank writes its shard of the LoRA weights and optimizer state into checkpoints
-    # (accelerate's adapter_only path). A full state dict gathers the whole 4-bit base onto rank 0 at every
-    # checkpoint: on 2 H200s the first one had not finished after two minutes. The adapter itself is gathered
-    # alone, by save_sharded_adapter. Our own activation checkpointing stays (FSDP's would wrap the layers again).
-    settings: dict[str, Any] = {"fsdp": True, "fsdp_config": {
-        "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
-        "state_dict_type": "SHARDED_STATE_DICT"}}
-    if train.optim != "adamw_torch":
-        # bitsandbytes' optimizers cannot update FSDP2's sharded (DTensor) parameters (measured: they fail at the
-        # first step); torch's AdamW can, and its fp32 state is sharded over the GPUs like everything else
-        logger().warning("train_adapter: train.fsdp: optimizer adamw_torch instead of %s, which cannot update "
-                         "sharded parameters", train.optim)
-        settings["optim"] = "adamw_torch"
-    return settings
-
-
-def save_sharded_adapter(model: Any, folder: Path) -> None:
-    """Under FSDP: gather the trainable (LoRA) weights alone onto rank 0, in CPU memory, and save them there in
-    PEFT format; every rank must call this. The frozen base stays sharded."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    state = get_model_state_dict(model, options=options)
-    if dist.get_rank() == 0:
-        model.save_pretrained(folder, state_dict=state)
-
-
-def _dtype_name(dtype: Any) -> str:
-    """'bfloat16' for torch.bfloat16 or 'bfloat16' (quantization configs hold either)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def launch(lora: LoraArgs, train: TrainArgs, data_dir: str, model_dir: str, out: Path, nproc: int) -> dict[str, Any]:
+def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path, nproc: int
+           ) -> dict[str, Any]:
     """Run the ranks under torchrun; relay their output to the log; rank 0's metrics, or the failing rank's error."""
     args_file = out / ".distributed-args.json"
-    args_file.write_text(json.dumps({"lora": lora.model_dump(), "train": train.model_dump(), "data_dir": data_dir,
-                                     "model_dir": model_dir, "out": str(out)}))
+    sections = {"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()}
+    args_file.write_text(json.dumps({**sections, "data_dir": data_dir, "model_dir": model_dir, "out": str(out)}))
     (out / RESULT).unlink(missing_ok=True)
     # the ranks are not Prefect runs: no run context, so no artifacts or GPU slot of their own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = [sys.executable, "-m", "tasks.distributed", "launch", str(os.getpid()), "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "tasks.distributed", str(args_file)]
+    command = [sys.executable, "-m", "tasks.train_adapter.launch", "launch", str(os.getpid()), "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "tasks.train_adapter.launch", str(args_file)]
     logger().info("train_adapter: data-parallel over %d processes: %s", nproc, " ".join(command[1:]))
     tail: deque[str] = deque(maxlen=40)
     with (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
@@ -169,7 +107,7 @@ def _rank_main(args_file: Path) -> None:
     """One rank: train (the Trainer sees torchrun's environment and uses DDP); rank 0 saves and reports."""
     import logging
 
-    from tasks import train_adapter
+    from tasks.train_adapter.fit import fit_and_save
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
     if every := os.environ.get(DUMP_STACKS_EVERY):  # where a stuck rank waits: its stacks, into distributed.log
@@ -179,7 +117,7 @@ def _rank_main(args_file: Path) -> None:
     spec = json.loads(args_file.read_text())
     out = Path(spec["out"])
     try:
-        metrics = train_adapter.fit_and_save(LoraArgs(**spec["lora"]), TrainArgs(**spec["train"]),
+        metrics = fit_and_save(LoraArgs(**spec["lora"]), TrainArgs(**spec["train"]), SpeedArgs(**spec["speed"]),
                                              spec["data_dir"], spec["model_dir"], out)
     except UserError as exc:
         print(USER_ERROR_PREFIX + str(exc).replace("\n", " "), flush=True)
@@ -189,7 +127,7 @@ def _rank_main(args_file: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "launch":  # python -m tasks.distributed launch PARENT_PID TORCHRUN_ARGS...
+    if sys.argv[1] == "launch":  # python -m tasks.train_adapter.launch launch PARENT_PID TORCHRUN_ARGS...
         _torchrun_main(int(sys.argv[2]), sys.argv[3:])
-    else:  # a rank: python -m tasks.distributed ARGS.json
+    else:  # a rank: python -m tasks.train_adapter.launch ARGS.json
         _rank_main(Path(sys.argv[1]))

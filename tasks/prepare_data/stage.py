@@ -23,12 +23,12 @@ from prefect import task
 
 from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
-from tasks.data_sources import Problems, columns, fingerprint, read_chunks
-from tasks.data_tokenize import Settings, Tokenized, make_settings, tokenize_all
 from tasks.errors import UserError
-from tasks.formats import CHAT_TEMPLATES, detect_format
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
+from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
+from tasks.prepare_data.sources import Problems, columns, fingerprint, read_chunks
+from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
 from tasks.runtime import TOKENIZER_FILES, load_tokenizer, model_fingerprint, model_path
 
 VERSION = "2"

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks.data_sources import Problems, RawChunk, decode
-from tasks.formats import Segments, to_segments
 from tasks.log import logger
+from tasks.prepare_data.formats import Segments, to_segments
+from tasks.prepare_data.sources import Problems, RawChunk, decode
 
 _DESCRIBED: dict[tuple, dict[str, Any]] = {}
 POOL_AFTER_CHUNKS = 8  # small data stays in this process: starting workers costs seconds (imports, tokenizer)

@@ -25,11 +25,12 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import artifacts, registry
+from tasks import artifacts
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs
+from tasks.export_adapter import registry
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
 VERSION = "2"  # 2: exports registry and promotion gate, merged model, generation metrics in the card
@@ -54,8 +55,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir)) as stage:
         if stage.done:
             return str(stage.dir)
-        manifests = {m["stage"]: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir,
-                                                                           eval_dir)))}
+        manifests = {m.stage: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir, eval_dir)))}
         outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir,
                               names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
@@ -65,9 +65,9 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
         card = partial(model_card, args.name, manifests, config)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
-        eval_metrics = manifests["evaluate_adapter"]["metrics"]
+        eval_metrics = manifests["evaluate_adapter"].metrics.model_dump()
         record = registry.publish(registry.registry_dir(runs_dir, args.name), stage.dir, stage.key, eval_metrics,
-                                  args.promotion_margin, manifests["prepare_data"]["key"], card)
+                                  args.promotion_margin, manifests["prepare_data"].key, card)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
         artifacts.table("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
@@ -126,19 +126,19 @@ def _copy_files(src: Path, dst: Path, names: list[str] | None = None) -> list[st
     return names
 
 
-def _run_config(manifests: dict[str, dict[str, Any]], args: ExportArgs) -> dict[str, Any]:
-    return {**manifests["prepare_data"]["params"], **manifests["prepare_model"]["params"],
-            **manifests["train_adapter"]["params"], **manifests["evaluate_adapter"]["params"],
+def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, Any]:
+    return {**manifests["prepare_data"].params, **manifests["prepare_model"].params,
+            **manifests["train_adapter"].params, **manifests["evaluate_adapter"].params,
             "export": args.model_dump()}
 
 
-def model_card(name: str, manifests: dict[str, dict[str, Any]], config: dict[str, Any], folder: Path,
+def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
                record: dict[str, Any] | None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
     data, model = manifests["prepare_data"], manifests["prepare_model"]
-    metrics = manifests["evaluate_adapter"]["metrics"]
+    metrics = manifests["evaluate_adapter"].metrics.model_dump()
     base, quant = config["model"]["base_model"], config["model"]
-    revision = model["fingerprint"].get("hub_commit") or config["model"]["revision"]
+    revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
     table = "\n".join(f"| {label} | {_fmt(metrics.get('base_' + key))} | {_fmt(metrics.get('tuned_' + key))} |"
                       for label, key in METRIC_ROWS)
     verdict = "" if record is None else (f"\nRegistry: `{name}` **{record['version']}**, {record['promotion']}: "
@@ -156,13 +156,13 @@ tags: [qlora, lora, peft]
 
 A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_type']} base) by qlora-pipeline.
 {verdict}
-- Base model: `{base}`, revision `{revision or 'local folder'}`, fingerprint `{json.dumps(model['fingerprint'])}`
-- Data: `{config['data']['source']}` ({data['metrics']['format']} format), fingerprint
-  `{data['fingerprint']['data']}`; {data['metrics']['train_examples']} train and
-  {data['metrics']['eval_examples']} eval examples, max {config['data']['max_seq_length']} tokens
+- Base model: `{base}`, revision `{revision or 'local folder'}`, fingerprint `{json.dumps(model.fingerprint)}`
+- Data: `{config['data']['source']}` ({data.metrics.format} format), fingerprint
+  `{data.fingerprint['data']}`; {data.metrics.train_examples} train and
+  {data.metrics.eval_examples} eval examples, max {config['data']['max_seq_length']} tokens
 - LoRA: `{json.dumps(config['lora'])}`
-- Training: `{json.dumps(config['train'])}`
-- Optimizer steps: {manifests['train_adapter']['metrics']['optimizer_steps']}
+- Training: `{json.dumps(config['train'])}`, speed: `{json.dumps(config['speed'])}`
+- Optimizer steps: {manifests['train_adapter'].metrics.optimizer_steps}
 
 ## Evaluation
 
@@ -183,7 +183,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="{quant['bnb_4bit_quant_type']}",
                            bnb_4bit_use_double_quant={quant['bnb_4bit_use_double_quant']},
-                           bnb_4bit_compute_dtype=torch.{model['metrics']['compute_dtype']})
+                           bnb_4bit_compute_dtype=torch.{model.metrics.compute_dtype})
 base = AutoModelForCausalLM.from_pretrained("{base}", revision={revision!r}, quantization_config=quant)
 model = PeftModel.from_pretrained(base, "{folder}")
 tokenizer = AutoTokenizer.from_pretrained("{folder}")

@@ -25,13 +25,13 @@ from typing import Any
 from prefect import task
 
 from tasks import artifacts
-from tasks.batches import ParquetExamples, pad_collator
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
-from tasks.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
+from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
+from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.manifest import DataMetrics, StageSpec, open_stage, read_manifest
 from tasks.runtime import load_quantized, load_tokenizer
 
 VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
@@ -86,7 +86,8 @@ def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> l
 def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
               ) -> tuple[list[list[int]], list[list[int]]]:
     """Prompt and reference token ids of the first `wanted` eval examples that have a masked prompt."""
-    if wanted and not (read_manifest(data_dir) or {}).get("metrics", {}).get("completion_only_loss", True):
+    data = read_manifest(data_dir)
+    if wanted and isinstance(data.metrics, DataMetrics) and not data.metrics.completion_only_loss:
         logger().info("evaluate_adapter: no generation metrics: the data trains on whole texts, so examples "
                       "have no prompt/answer split (data.completion_only_loss is off)")
         return [], []

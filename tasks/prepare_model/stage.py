@@ -22,7 +22,7 @@ from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
 from tasks.runtime import compute_dtype, device, load_tokenizer, model_fingerprint, model_path
 
-VERSION = "1"
+VERSION = "2"  # 2: the attention implementation in use recorded in the metrics
 
 
 def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
@@ -47,7 +47,8 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
         (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))
         metrics = {"memory_footprint_bytes": model.get_memory_footprint(),
                    "compute_dtype": str(dtype).removeprefix("torch."), "device": device(),
-                   "linear_4bit_layers": sum(modules["linear_4bit"].values())}
+                   "linear_4bit_layers": sum(modules["linear_4bit"].values()),
+                   "attn_implementation": model.config._attn_implementation}
         logger().info("prepare_model: %s; LoRA can target %s", metrics, ", ".join(modules["targetable"]))
         outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
         stage.finish(outputs, metrics)

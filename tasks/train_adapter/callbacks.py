@@ -13,8 +13,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from tasks.artifacts import TrainingProgress
-from tasks.batches import COMPLETE, pad_collator
+from tasks.examples import pad_collator
 from tasks.log import logger
+from tasks.train_adapter.checkpoints import COMPLETE
 
 
 class mark_complete(TrainerCallback):  # noqa: N801

@@ -1,0 +1,85 @@
+"""Packed attention: flash varlen attention over the examples of a packed row on CUDA, sdpa elsewhere.
+
+A micro-batch is one row of whole examples with per-example position ids. On a CUDA GPU attention runs as flash
+varlen attention over the examples' boundaries (torch's varlen_attn); elsewhere transformers' sdpa builds a
+block-diagonal causal mask from the position ids. Either way no example attends to another.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+VARLEN = "qlora_varlen"  # attention implementation name registered with transformers
+
+
+@functools.cache
+def _varlen_fn() -> Any:
+    """torch's flash varlen attention with causal masking, or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in params, "scale" in params
+
+
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None
+                       ) -> torch.Tensor:
+    """(T, H, D) attention, causal within each [cu[i], cu[i+1]) segment: the portable path."""
+    import torch.nn.functional as F  # noqa: N812
+
+    out = []
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return __import__("torch").cat(out)
+
+
+def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: varlen attention over cu_seq_lens_q when given, else sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (1, H, T, D) -> (T, H, D)
+    fn = _varlen_fn() if q.is_cuda else None
+    default_scale = scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-6
+    if fn is None or not (fn[2] or default_scale):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _segment_attention(q, k, v, cu.tolist(), scaling).unsqueeze(0), None
+    varlen, gqa, has_scale = fn
+    extra: dict[str, Any] = {"scale": scaling} if has_scale else {}
+    if k.shape[1] != q.shape[1]:
+        if gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    max_len = int(kwargs.get("max_length_q") or q.shape[0])
+    out = varlen(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out.unsqueeze(0), None
+
+
+def use_packed_attention(model: Any) -> str:
+    """Route the model's attention through packed_attention; returns the implementation now in use."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if not (torch.cuda.is_available() and _varlen_fn() is not None):
+        return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
+    AttentionInterface.register(VARLEN, packed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
+    model.set_attn_implementation(VARLEN)
+    return VARLEN

@@ -1,0 +1,137 @@
+"""Activation checkpointing whose saved layer inputs can live in pinned CPU memory (offload), and the frozen
+input-embedding table in CPU memory: on a single GPU both by default, since from ~6k tokens per micro-batch the
+GPU, not these copies, sets the pace."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from tasks.train_adapter.parallel import several_processes
+
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def _offload_function() -> Any:
+    import torch
+
+    class _OffloadedCheckpoint(torch.autograd.Function):
+        """Runs a layer without keeping its activations; keeps only its input, in pinned CPU memory on a GPU."""
+
+        @staticmethod
+        def forward(ctx: Any, run: Any, hidden: torch.Tensor) -> torch.Tensor:
+            ctx.run, ctx.device = run, hidden.device
+            ctx.autocast = (torch.is_autocast_enabled(hidden.device.type),
+                            torch.get_autocast_dtype(hidden.device.type))
+            ctx.rng = torch.get_rng_state(), (torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None)
+            if hidden.is_cuda:
+                stream = _copy_stream(hidden.device)
+                stream.wait_stream(torch.cuda.current_stream(hidden.device))
+                saved = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+                with torch.cuda.stream(stream):
+                    saved.copy_(hidden, non_blocking=True)
+                hidden.record_stream(stream)
+                ctx.copied = torch.cuda.Event()
+                ctx.copied.record(stream)
+            else:
+                saved, ctx.copied = hidden.detach(), None
+            ctx.saved = saved
+            out = run(hidden)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"offloaded checkpointing needs a layer that returns a tensor, got {type(out)}")
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+            if ctx.copied is not None:
+                torch.cuda.current_stream(ctx.device).wait_event(ctx.copied)
+            hidden = ctx.saved.to(ctx.device, non_blocking=True).detach().requires_grad_(True)
+            ctx.saved = None
+            cpu_rng, cuda_rng = ctx.rng
+            devices = [ctx.device] if cuda_rng is not None else []
+            with torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, ctx.device)
+                with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=ctx.autocast[0],
+                                                         dtype=ctx.autocast[1]):
+                    out = ctx.run(hidden)
+            torch.autograd.backward(out, grad_out)
+            return None, hidden.grad
+
+    return _OffloadedCheckpoint
+
+
+@functools.cache
+def _copy_stream(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.Stream(device)
+
+
+def offloaded_checkpoint(function: Any, *args: Any, **_: Any) -> Any:
+    """A drop-in for torch.utils.checkpoint.checkpoint over a decoder layer's forward(hidden_states)."""
+    hidden, *rest = args
+    run = functools.partial(_call_with_rest, function, rest) if rest else function
+    return _offload_function().apply(run, hidden)
+
+
+def _call_with_rest(function: Any, rest: list[Any], hidden: Any) -> Any:
+    return function(hidden, *rest)
+
+
+def enable_checkpointing(model: Any, offload: bool) -> None:
+    """Checkpoint every decoder layer; with offload, keep the saved inputs in pinned CPU memory."""
+    import torch.utils.checkpoint
+
+    if offload:
+        func = offloaded_checkpoint
+    else:
+        func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    model.enable_input_require_grads()  # frozen embeddings: the first layer's input must carry a gradient
+
+
+def offload_embeddings(model: Any) -> bool:
+    """Move the frozen input-embedding table to CPU memory (HostEmbedding). A lookup needs no arithmetic, so the
+    table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
+    not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
+    parameter from rank 0 over NCCL, which takes GPU tensors only)."""
+    import torch
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or emb.max_norm is not None
+            or (head is not None and head.weight is emb.weight) or several_processes()):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_input_embeddings(_host_embedding_type()(emb))
+    return True
+
+
+@functools.cache
+def _host_embedding_type() -> type:
+    import torch
+
+    class HostEmbedding(torch.nn.Module):
+        """An nn.Embedding whose table stays in CPU memory: a plain attribute, not a parameter or buffer, so
+        that moving the model (model.to, the Trainer's device placement) leaves it where it is. Each forward
+        copies the ids to the host, which waits for the GPU's queued work, looks the rows up there and copies
+        them (tokens x hidden) to the ids' device."""
+
+        def __init__(self, emb: torch.nn.Embedding) -> None:
+            super().__init__()
+            self.table = emb.weight.detach().to("cpu")
+            self.padding_idx = emb.padding_idx
+            self.num_embeddings, self.embedding_dim = self.table.shape
+
+        @property
+        def weight(self) -> torch.Tensor:  # for code that reads the embedding's dtype or shape
+            return self.table
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            rows = torch.nn.functional.embedding(ids.to("cpu"), self.table, self.padding_idx)
+            return rows.to(ids.device)
+
+    return HostEmbedding

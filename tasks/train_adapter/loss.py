@@ -1,0 +1,106 @@
+"""A fused, chunked linear + cross-entropy: the loss and its gradient are computed from the hidden states a few
+hundred rows at a time, so the (tokens x vocabulary) float32 logits never exist at once."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _chunk_rows(rows: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk: logits about the size of all the hidden states, within 256..512 rows (a 512 x 128,256
+    chunk holds 0.4 GB of logits at once)."""
+    return max(256, min(512, -(-rows * hidden // vocab)))
+
+
+def _linear_ce_forward(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, want_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of head(hidden) against labels (all valid), and its gradient w.r.t. hidden.
+
+    The logits come from calling the head module, not from its weight alone: under FSDP2 the head's parameters
+    are gathered by the hooks of that call (reading head.weight without one finds a shard)."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad = torch.empty_like(hidden) if want_grad else None
+    chunk = _chunk_rows(hidden.shape[0], hidden.shape[1], head.out_features)
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        logits = head(h).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+        if grad is not None:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            probs.scatter_add_(1, y[:, None], torch.full_like(lse, -1.0)[:, None])
+            grad[start:start + chunk] = probs.to(head.weight.dtype) @ head.weight
+    return total, grad
+
+
+class LinearCrossEntropy:
+    """loss = sum over labelled rows of CE(head(hidden), label) / divisor; head is a frozen bias-free Linear."""
+
+    @staticmethod
+    def apply(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any) -> torch.Tensor:
+        return _function().apply(hidden, head, labels, divisor)
+
+
+@functools.cache
+def _function() -> Any:
+    import torch
+
+    class _LinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any
+                    ) -> torch.Tensor:
+            rows = (labels != -100).nonzero().squeeze(1)
+            picked = hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows)
+            if picked.dtype != head.weight.dtype:  # autocast does not reach inside a custom Function's matmuls
+                picked = picked.to(head.weight.dtype)
+            total, grad = _linear_ce_forward(picked, head, labels.index_select(0, rows), hidden.requires_grad)
+            ctx.shape, ctx.dtype, ctx.divisor = hidden.shape, hidden.dtype, divisor
+            ctx.save_for_backward(rows, grad if grad is not None else rows.new_empty(0))
+            return total / divisor
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+            rows, grad = ctx.saved_tensors
+            grad = (grad * (grad_out / ctx.divisor)).to(ctx.dtype)
+            if rows.numel() == ctx.shape[0]:
+                return grad, None, None, None
+            full = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+            return full.index_copy_(0, rows, grad), None, None, None
+
+    return _LinearCrossEntropy
+
+
+def use_fused_loss(causal_lm: Any) -> bool:
+    """Replace a causal LM's forward (with labels) by hidden states + LinearCrossEntropy; False if not possible."""
+    import torch
+
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or getattr(head, "bias", None) is not None or not hasattr(causal_lm, "model"):
+        return False  # a LoRA-wrapped or biased lm_head keeps transformers' own loss
+    original = causal_lm.forward
+
+    def forward(input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, labels: Any = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if labels is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        kwargs.pop("use_cache", None)
+        out = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, **kwargs)
+        hidden = out.last_hidden_state[:, :-1].reshape(-1, out.last_hidden_state.shape[-1])
+        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+        divisor = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum().clamp(min=1)
+        if isinstance(divisor, torch.Tensor):
+            divisor = divisor.to(hidden.device)
+        loss = LinearCrossEntropy.apply(hidden, head, targets, divisor)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    causal_lm.forward = forward
+    return True

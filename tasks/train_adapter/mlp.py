@@ -1,0 +1,33 @@
+"""The MLP in token chunks, for long sequences."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def tile_mlp(model: Any, chunk: int) -> int:
+    """Run each decoder layer's MLP over at most `chunk` tokens at a time, each chunk checkpointed on its own:
+    the (tokens x intermediate_size) activations of a long sequence never exist at once, for one more MLP
+    forward in the backward pass. Returns how many MLPs were changed."""
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    for layer in layers:
+        layer.mlp.forward = functools.partial(_tiled_mlp, layer.mlp.forward, chunk)
+    return len(layers)
+
+
+def _tiled_mlp(forward: Any, chunk: int, x: torch.Tensor) -> torch.Tensor:
+    import torch
+    import torch.utils.checkpoint
+
+    if x.shape[-2] <= chunk:
+        return forward(x)
+    parts = x.split(chunk, dim=-2)
+    if torch.is_grad_enabled():
+        outs = [torch.utils.checkpoint.checkpoint(forward, part, use_reentrant=False) for part in parts]
+    else:
+        outs = [forward(part) for part in parts]
+    return torch.cat(outs, dim=-2)

@@ -1,0 +1,135 @@
+"""The training plan of train_adapter: which speed and memory levers apply on this device, and the micro-batches.
+
+Each lever lives in its own module (attention, loss, checkpointing, mlp, liger, sizing, fused_lora) and is a
+TrainArgs option (see its descriptions). Everything here also runs on CPU, where the GPU-only parts step aside,
+so the CPU tests cover it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.config import SpeedArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.examples import ParquetExamples, pad_collator
+from tasks.log import logger
+from tasks.train_adapter.attention import use_packed_attention
+from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+from tasks.train_adapter.liger import apply_liger
+from tasks.train_adapter.loss import use_fused_loss
+from tasks.train_adapter.mlp import tile_mlp
+from tasks.train_adapter.packs import PackedExamples, pack_collator
+from tasks.train_adapter.parallel import several_processes
+from tasks.train_adapter.sizing import micro_batch_tokens
+
+# Tokens per packed micro-batch when none is set. Measured on an H200 with the 8B shape (bench/results/
+# 2026-11-30-h200x2-microstep.json, activations and embeddings offloaded): 5,546 tokens 10,079 tokens/s at 5.88 GiB,
+# 7,981 tokens 10,254 at 6.35 GiB, 16,133 tokens 10,757 at 7.91 GiB: past ~6k tokens the GPU is busy, and more
+# tokens buy a few per cent for more memory.
+AUTO_MAX_TOKENS = 6144
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """What training_batches chose for this device: the out-of-memory back-off starts from it."""
+
+    packing: bool
+    offload_activations: bool
+    offload_embeddings: bool
+    max_tokens_per_batch: int | None  # tokens per packed micro-batch; None: packs of per_device_train_batch_size
+    packs: int | None = None  # packed micro-batches per epoch
+
+
+def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
+    """TrainArgs as TrainingArguments keywords, checkpointing left to enable_checkpointing."""
+    settings = train.model_dump()
+    settings["gradient_checkpointing"] = False  # the Trainer would replace our checkpoint function with its own
+    if speed.packing:
+        settings["per_device_train_batch_size"] = 1  # one pack per micro-batch; its size is set in tokens
+    return settings
+
+
+def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
+    """Before LoRA wraps the model: Liger kernels, packed attention, fused loss. Returns what was applied."""
+    import torch
+
+    applied = []
+    model.config.use_cache = False  # with a cache, transformers ignores packed position ids when masking
+    if torch.cuda.is_available():  # fewer half-empty segments: reserved memory stays near allocated
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if apply_liger(model, speed.use_liger_kernel):
+        applied.append("liger")
+    if speed.mlp_chunk_tokens and tile_mlp(model, speed.mlp_chunk_tokens):
+        applied.append(f"MLP in chunks of {speed.mlp_chunk_tokens} tokens")
+    if speed.packing:
+        applied.append(f"packed attention ({use_packed_attention(model)})")
+    if speed.fused_cross_entropy and use_fused_loss(model):
+        applied.append("fused cross-entropy")
+    return applied
+
+
+def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
+    """After get_peft_model: each LoRA layer as one autograd function (fused_lora.py). Returns the model."""
+    import torch
+
+    from tasks.train_adapter.fused_lora import fuse_lora_layers
+
+    wanted = speed.fused_lora
+    if wanted is None:  # FSDP shards the base weights that the fused backward reads back
+        wanted = not speed.fsdp
+    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if wanted else []
+    dropout = [d.p for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()
+               if isinstance(d, torch.nn.Dropout) and d.p > 0]
+    if applied and dropout:
+        applied.append(f"except in training, where lora_dropout {max(dropout)} keeps peft's own path")
+    logger().info("train_adapter: %s", ", ".join(applied) or "peft's own LoRA layers")
+    return model
+
+
+def smaller_packs(train: TrainArgs, speed: SpeedArgs, tokens: int, exc: BaseException
+                  ) -> tuple[TrainArgs, SpeedArgs]:
+    """After running out of memory with packs of `tokens`: half the tokens and twice the accumulation, about the
+    same tokens per optimizer step."""
+    if tokens <= 512:
+        raise UserError(
+            f"train_adapter ran out of GPU memory with packed micro-batches of {tokens} tokens. Lower "
+            "data.max_seq_length, lora.r or the number of lora.target_modules, set speed.offload_activations, "
+            f"or use a GPU with more memory. ({exc})"
+        ) from exc
+    smaller = max(512, tokens // 2 // 256 * 256)
+    accumulation = train.gradient_accumulation_steps * 2
+    logger().warning("train_adapter: out of memory with %d-token micro-batches; retrying from the latest "
+                     "checkpoint with %d tokens x %d accumulation", tokens, smaller, accumulation)
+    return (train.model_copy(update={"gradient_accumulation_steps": accumulation}),
+            speed.model_copy(update={"max_tokens_per_batch": smaller}))
+
+
+def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, speed: SpeedArgs
+                     ) -> tuple[Any, Any, MicroBatches]:
+    """The Trainer's dataset and collator, after choosing the packed micro-batch size and activation offload for
+    this device, and enabling checkpointing. Returns them with the choice made."""
+    import torch
+
+    lengths = [len(ids) for ids in examples.input_ids]
+    longest = max(lengths, default=1)
+    cuda = torch.cuda.is_available()
+    # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its own
+    # backward) is not measured on GPUs
+    offload = train.gradient_checkpointing and (speed.offload_activations if speed.offload_activations is not None
+                                                 else cuda and not several_processes())
+    wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+    embeddings = bool(wanted) and offload_embeddings(model)
+    tokens = speed.max_tokens_per_batch
+    if cuda and speed.packing and tokens is None:
+        budget = micro_batch_tokens(speed.gpu_memory_budget_gb, torch.cuda.memory_allocated(), model.config,
+                                    offload, 0)
+        tokens = max(min(budget, AUTO_MAX_TOKENS), min(longest, 1024))
+    if train.gradient_checkpointing:
+        enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
+    if not speed.packing:
+        batches = MicroBatches(False, offload, embeddings, None)
+        return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches
+    per_pack = None if tokens is not None else train.per_device_train_batch_size
+    packs = PackedExamples(examples, tokens, per_pack, train.seed)
+    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs))

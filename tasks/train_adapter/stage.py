@@ -1,0 +1,72 @@
+"""train_adapter: 4-bit base + tokenized data -> LoRA adapter.
+
+Reads prepare_model's 4-bit checkpoint and modules.json and prepare_data's train.parquet. Trains LoRA
+adapters (peft) with the transformers Trainer: k-bit training preparation, gradient checkpointing,
+gradient accumulation, bf16 where supported, paged 8-bit AdamW, a learning-rate schedule. Writes into
+runs_dir/train_adapter/<key>/: adapter/ (PEFT format), loss.jsonl (one line per logged step) and
+manifest.json. While it runs, checkpoints/checkpoint-N/ are written every `save_steps` optimizer
+steps; an interrupted run resumes from the latest complete one (adapter, optimizer, scheduler, RNG
+and data position), and they are removed once the adapter is saved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+
+from tasks.caching import stage_task_options
+from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.limits import gpu_slot
+from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.train_adapter import launch, parallel
+from tasks.train_adapter.checkpoints import latest_checkpoint
+from tasks.train_adapter.fit import fit_and_save
+
+VERSION = "1"
+ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+
+
+def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
+         ) -> StageSpec:
+    """Cache-key inputs: LoRA, training and speed settings and the two upstream stages."""
+    return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir,
+                     params={"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()},
+                     upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir)})
+
+
+@task(name="train_adapter", **stage_task_options(spec))
+def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
+                  ) -> str:
+    """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
+    check_target_modules(lora.target_modules, Path(model_dir))
+    keep = ("checkpoints", "loss.jsonl")  # an interrupted run resumes from these
+    with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
+        if stage.done:
+            return str(stage.dir)
+        resume = latest_checkpoint(stage.dir / "checkpoints")
+        processes = parallel.world_size(speed)
+        with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+            if processes > 1:
+                metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
+            else:
+                metrics = fit_and_save(lora, train, speed, data_dir, model_dir, stage.dir)
+        resumed = int(resume.name.split("-")[-1]) if resume else None
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
+        return str(stage.dir)
+
+
+def check_target_modules(target_modules: list[str], model_dir: Path) -> None:
+    """Fail before training if LoRA targets modules the base model does not have."""
+    report = json.loads((model_dir / "modules.json").read_text())
+    missing = [m for m in target_modules if m not in report["targetable"]]
+    if missing:
+        made = read_manifest(model_dir)
+        base = made.params["model"]["base_model"] if made else model_dir
+        raise UserError(
+            f"lora.target_modules names {', '.join(missing)}, which {base} does not have. "
+            f"Its layers LoRA can target are: {', '.join(report['targetable'])}. "
+            "Set lora.target_modules to some of these."
+        )

@@ -26,6 +26,8 @@ class _Section(BaseModel):
 
 
 class DataArgs(_Section):
+    """The dataset: where it is, its format, how it is cut and split (stage prepare_data)."""
+
     source: str = Field(
         str(EMBEDDED_DATA),
         description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
@@ -65,6 +67,8 @@ class DataArgs(_Section):
 
 
 class ModelArgs(_Section):
+    """The base model and its 4-bit quantization (stage prepare_model)."""
+
     base_model: str = Field(str(EMBEDDED_MODEL), description="A local model folder or a hub model id.")
     revision: str | None = Field(None, description="Hub model revision; None = the default branch.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
@@ -81,6 +85,8 @@ class ModelArgs(_Section):
 
 
 class LoraArgs(_Section):
+    """The LoRA adapters: peft's LoraConfig fields."""
+
     r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
     lora_dropout: float = Field(
@@ -95,6 +101,8 @@ class LoraArgs(_Section):
 
 
 class TrainArgs(_Section):
+    """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter)."""
+
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")
@@ -181,6 +189,8 @@ class SpeedArgs(_Section):
 
 
 class EvalArgs(_Section):
+    """Evaluation of base and base + adapter on the held-out split (stage evaluate_adapter)."""
+
     max_samples: int | None = Field(
         None, gt=0, description="Evaluate on at most this many eval examples; None = all."
     )
@@ -200,6 +210,8 @@ class EvalArgs(_Section):
 
 
 class ExportArgs(_Section):
+    """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
+
     name: str = Field(
         "adapter", pattern=r"^[A-Za-z0-9._-]+$",
         description="Registry name: versions go to runs_dir/exports/<name>/vNNNN/, the champion to champion.json.",
@@ -271,7 +283,7 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
 
 
 def reference_table() -> str:
-    """The config reference as a Markdown table (README.md embeds it; a test keeps the two equal)."""
+    """The config reference as a Markdown table (docs/configuration.md holds it; a test keeps the two equal)."""
     lines = ["| field | default | description |", "|---|---|---|"]
     sections = {"": RunConfig, **{name: f.annotation for name, f in RunConfig.model_fields.items()
                                   if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}}
@@ -285,5 +297,5 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m tasks.config > the README's config reference
+if __name__ == "__main__":  # python -m tasks.config: the table in docs/configuration.md
     print(reference_table())

@@ -169,11 +169,8 @@ def file_sha256(path: Path) -> str:
     st = path.stat()
     memo = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if memo not in _FILE_HASH_CACHE:
-        h = hashlib.sha256()
         with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _FILE_HASH_CACHE[memo] = h.hexdigest()
+            _FILE_HASH_CACHE[memo] = hashlib.file_digest(f, "sha256").hexdigest()
     return _FILE_HASH_CACHE[memo]
 
 

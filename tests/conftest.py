@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated Prefect test server, small configs, and the real tiny model."""
+"""Shared fixtures and helpers: an isolated Prefect test server, the first two stages on the real tiny model,
+small configs, and the CLI as a subprocess."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
         ensure_gpu_limit()  # train_adapter takes it strictly, as on a set-up server
         yield storage
+
+
+@pytest.fixture(scope="session")
+def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """prepare_data (200 sample rows) and prepare_model (the embedded tiny Llama) through .fn(), once per session;
+    tests that need them read these folders and write their own stages into other runs_dirs or keys."""
+    from tasks.config import DataArgs, ModelArgs
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.prepare_model.stage import prepare_model
+
+    runs = tmp_path_factory.mktemp("runs")
+    data = tmp_path_factory.mktemp("data") / "d.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    return {"runs": runs, "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
+            "model": prepare_model.fn(ModelArgs(), runs)}
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ import yaml
 
 from tasks.config import EMBEDDED_DATA, PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config
 
+pytestmark = pytest.mark.slow  # whole flow runs against a real Prefect server
+
 STAGES = ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -234,6 +236,7 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOTS = PROJECT_ROOT / "test-output" / "ui"
 
 
+@pytest.mark.ui
 @pytest.mark.skipif(not Path(CHROMEDRIVER).exists() and not os.environ.get("CI"),
                     reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
 def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, Any], tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from tasks.train_adapter import launch, parallel
 from tasks.train_adapter.stage import train_adapter
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from safetensors.torch import load_file
 

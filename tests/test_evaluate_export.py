@@ -11,36 +11,30 @@ from typing import Any
 
 import pytest
 
-from tasks.config import EMBEDDED_DATA, DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.config import EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter import registry
 from tasks.export_adapter.stage import export_adapter
 from tasks.manifest import MANIFEST, read_manifest
-from tasks.prepare_data.stage import prepare_data
-from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 
 SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """prepare_data, prepare_model and a few training steps on 200 sample rows; then one evaluation."""
-    runs = tmp_path_factory.mktemp("runs")
-    data = tmp_path_factory.mktemp("data") / "d.jsonl"
-    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
-    out: dict[str, Any] = {"runs": runs, "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
-                           "model": prepare_model.fn(ModelArgs(), runs)}
-    out["adapter"] = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=4, logging_steps=1), SpeedArgs(),
-                                      runs,
-                                      out["data"], out["model"])
+def trained(stages: dict[str, Any]) -> dict[str, Any]:
+    """The shared first two stages, a few training steps, then one evaluation."""
+    out = dict(stages)
+    runs = out["runs"]
+    out["adapter"] = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=4, logging_steps=1),
+                                      SpeedArgs(), runs, out["data"], out["model"])
     out["eval"] = evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), runs, out["data"], out["model"], out["adapter"])
     return out
 
 
-def _upstream(stages: dict[str, Any]) -> tuple[str, str, str, str]:
-    return stages["data"], stages["model"], stages["adapter"], stages["eval"]
+def _upstream(trained: dict[str, Any]) -> tuple[str, str, str, str]:
+    return trained["data"], trained["model"], trained["adapter"], trained["eval"]
 
 
 # --- metrics, checked by hand ---------------------------------------------------------------------------------
@@ -79,8 +73,8 @@ def test_prompt_is_the_masked_prefix_and_reference_the_first_answer() -> None:
 
 # --- evaluate_adapter ---------------------------------------------------------------------------------------------
 
-def test_evaluate_writes_metrics_and_samples(stages: dict[str, Any]) -> None:
-    folder = Path(stages["eval"])
+def test_evaluate_writes_metrics_and_samples(trained: dict[str, Any]) -> None:
+    folder = Path(trained["eval"])
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
         "manifest.json", "metrics.json", "samples.jsonl"]
     metrics = read_manifest(folder).metrics.model_dump(exclude_unset=True)
@@ -97,27 +91,27 @@ def test_evaluate_writes_metrics_and_samples(stages: dict[str, Any]) -> None:
     assert "lm_eval" not in metrics
 
 
-def test_evaluate_is_deterministic(stages: dict[str, Any], tmp_path: Path) -> None:
-    again = Path(evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), tmp_path, stages["data"], stages["model"],
-                                     stages["adapter"]))
-    assert again != Path(stages["eval"])  # computed afresh in another runs_dir, not reused
+def test_evaluate_is_deterministic(trained: dict[str, Any], tmp_path: Path) -> None:
+    again = Path(evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), tmp_path, trained["data"], trained["model"],
+                                     trained["adapter"]))
+    assert again != Path(trained["eval"])  # computed afresh in another runs_dir, not reused
     for name in ("metrics.json", "samples.jsonl"):
-        assert (again / name).read_bytes() == (Path(stages["eval"]) / name).read_bytes()
+        assert (again / name).read_bytes() == (Path(trained["eval"]) / name).read_bytes()
 
 
-def test_lm_eval_tasks_skipped_with_a_note_when_not_installed(stages: dict[str, Any], tmp_path: Path,
+def test_lm_eval_tasks_skipped_with_a_note_when_not_installed(trained: dict[str, Any], tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError, even if installed
     args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["hellaswag"])
     with caplog.at_level(logging.WARNING):
-        folder = Path(evaluate_adapter.fn(args, tmp_path, stages["data"], stages["model"], stages["adapter"]))
+        folder = Path(evaluate_adapter.fn(args, tmp_path, trained["data"], trained["model"], trained["adapter"]))
     assert read_manifest(folder).metrics.model_dump(exclude_unset=True)["lm_eval"] == "skipped: lm_eval not installed"
     assert "eval.lm_eval_tasks=['hellaswag'] skipped: lm-evaluation-harness is not installed" in caplog.text
     assert not (folder / "lm_eval.json").exists()
 
 
-def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(stages: dict[str, Any], tmp_path: Path,
+def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(trained: dict[str, Any], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, Any]] = []
 
@@ -137,7 +131,7 @@ def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(stages: dict[str, An
     monkeypatch.setitem(sys.modules, "lm_eval.models", types.ModuleType("lm_eval.models"))
     monkeypatch.setitem(sys.modules, "lm_eval.models.huggingface", huggingface)
     args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["arc_easy"], limit=10)
-    folder = Path(evaluate_adapter.fn(args, tmp_path, stages["data"], stages["model"], stages["adapter"]))
+    folder = Path(evaluate_adapter.fn(args, tmp_path, trained["data"], trained["model"], trained["adapter"]))
     assert calls == [{"peft": False, "tasks": ["arc_easy"], "limit": 10}, {"peft": True, "tasks": ["arc_easy"],
                                                                            "limit": 10}]
     assert json.loads((folder / "lm_eval.json").read_text()) == {"base": {"arc_easy": {"acc,none": 0.25}},
@@ -147,7 +141,7 @@ def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(stages: dict[str, An
 
 # --- export_adapter -----------------------------------------------------------------------------------------------
 
-def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path: Path) -> None:
+def test_merged_model_matches_base_plus_adapter(trained: dict[str, Any], tmp_path: Path) -> None:
     import bitsandbytes as bnb
     import torch
     from peft import PeftModel
@@ -156,13 +150,13 @@ def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path
     from tasks.runtime import load_quantized
 
     args = ExportArgs(merge=True, merged_dtype="float32")
-    folder = Path(export_adapter.fn(args, tmp_path, *_upstream(stages)))
+    folder = Path(export_adapter.fn(args, tmp_path, *_upstream(trained)))
     files = sorted(str(p.relative_to(folder / "merged")) for p in (folder / "merged").rglob("*") if p.is_file())
     assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                      "tokenizer_config.json"]
     assert set(read_manifest(folder).outputs) >= {f"merged/{f}" for f in files}
     ids = torch.tensor([[1, 37, 215, 96, 512, 7, 300, 44, 901, 12, 2]])
-    tuned = PeftModel.from_pretrained(load_quantized(Path(stages["model"])), Path(stages["adapter"]) / "adapter")
+    tuned = PeftModel.from_pretrained(load_quantized(Path(trained["model"])), Path(trained["adapter"]) / "adapter")
     for module in tuned.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             # bnb's CPU inference kernel (AVX512-BF16 CPUs) rounds to bf16; the reference must be the fp32 math
@@ -179,21 +173,21 @@ def test_merged_model_matches_base_plus_adapter(stages: dict[str, Any], tmp_path
     # moved these logits by 0.2, and bnb's bf16 CPU kernel alone by 9e-3.
     assert (got - want).abs().max().item() < 1e-4
     # the default bf16 export rounds every weight to 8 significant bits (~0.4%): measured 1.2e-2, allowed 5e-2
-    bf16 = Path(export_adapter.fn(ExportArgs(merge=True), tmp_path, *_upstream(stages))) / "merged"
+    bf16 = Path(export_adapter.fn(ExportArgs(merge=True), tmp_path, *_upstream(trained))) / "merged"
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()(input_ids=ids).logits
     assert (got - want).abs().max().item() < 5e-2
 
 
-def test_model_card_has_metrics_settings_and_load_command(stages: dict[str, Any], tmp_path: Path) -> None:
-    folder = Path(export_adapter.fn(ExportArgs(name="cardtest"), tmp_path, *_upstream(stages)))
-    metrics = read_manifest(Path(stages["eval"])).metrics.model_dump(exclude_unset=True)
+def test_model_card_has_metrics_settings_and_load_command(trained: dict[str, Any], tmp_path: Path) -> None:
+    folder = Path(export_adapter.fn(ExportArgs(name="cardtest"), tmp_path, *_upstream(trained)))
+    metrics = read_manifest(Path(trained["eval"])).metrics.model_dump(exclude_unset=True)
     version = tmp_path.resolve() / "exports" / "cardtest" / "v0001"
     for card in ((folder / "README.md").read_text(), (version / "README.md").read_text()):
         for label, key in [("eval loss", "eval_loss"), ("perplexity", "perplexity"),
                            ("exact match", "exact_match"), ("ROUGE-L", "rouge_l")]:
             assert f"| {label} | {metrics['base_' + key]:.4f} | {metrics['tuned_' + key]:.4f} |" in card
-        data_manifest = read_manifest(Path(stages["data"]))
+        data_manifest = read_manifest(Path(trained["data"]))
         assert data_manifest.fingerprint["data"] in card
         assert "base_model: " + str(ModelArgs().base_model) in card and "revision `local folder`" in card
         assert '"r": 4, "lora_alpha": 8' in card and '"max_steps": 4' in card
@@ -203,7 +197,7 @@ def test_model_card_has_metrics_settings_and_load_command(stages: dict[str, Any]
     assert "Registry: `cardtest` **v0001**, promoted: first version" in card
 
 
-def test_registry_gate_promotes_first_rejects_worse_promotes_better(stages: dict[str, Any], tmp_path: Path) -> None:
+def test_registry_gate_promotes_first_rejects_worse_promotes_better(trained: dict[str, Any], tmp_path: Path) -> None:
     source = tmp_path / "stage"
     source.mkdir()
     (source / "adapter_model.safetensors").write_bytes(b"weights")
@@ -238,21 +232,21 @@ def test_registry_gate_promotes_first_rejects_worse_promotes_better(stages: dict
     assert publish("k2", 1.0)["version"] == "v0002" and len(registry.versions(root)) == 3
 
 
-def test_export_publishes_once_per_stage_key_and_records_the_verdict(stages: dict[str, Any], tmp_path: Path) -> None:
-    first = Path(export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages)))
+def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: dict[str, Any], tmp_path: Path) -> None:
+    first = Path(export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(trained)))
     root = tmp_path.resolve() / "exports" / "gate"
     metrics = read_manifest(first).metrics.model_dump(exclude_unset=True)
     assert metrics["export_version"] == "v0001" and metrics["promotion"] == "promoted"
     assert metrics["champion_version"] == "v0001" and metrics["export_path"] == str(root / "v0001")
     # a cached re-run (the stage folder is done) publishes nothing
-    assert export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages)) == str(first)
+    assert export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(trained)) == str(first)
     assert [r["version"] for r in registry.versions(root)] == ["v0001"]
     # a lost manifest recomputes the stage under the same key: still v0001
     (first / MANIFEST).unlink()
-    export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(stages))
+    export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(trained))
     assert [r["version"] for r in registry.versions(root)] == ["v0001"]
     # new export settings = a new stage key = a new version; the same adapter does not beat itself by 1%
-    second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="2GB"), tmp_path, *_upstream(stages)))
+    second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="2GB"), tmp_path, *_upstream(trained)))
     metrics = read_manifest(second).metrics.model_dump(exclude_unset=True)
     assert metrics["export_version"] == "v0002" and metrics["promotion"] == "rejected"
     assert metrics["promotion_reason"].startswith("tuned eval loss") and "does not beat champion v0001" in (

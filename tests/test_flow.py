@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import run_flow, statuses
 
+pytestmark = pytest.mark.slow  # whole flow runs
+
 STAGES = ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.config import EMBEDDED_MODEL, LoraArgs, SpeedArgs, TrainArgs
 
 torch = pytest.importorskip("torch")
 
@@ -132,19 +132,6 @@ def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
     torch.testing.assert_close(layer(x), fused_out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from tasks.prepare_data.stage import prepare_data
-    from tasks.prepare_model.stage import prepare_model
-
-    runs = tmp_path_factory.mktemp("runs")
-    data = tmp_path_factory.mktemp("data") / "d.jsonl"
-    data.write_text("".join((EMBEDDED_MODEL.parent / "sample" / "instructions.jsonl").read_text()
-                            .splitlines(keepends=True)[:120]))
-    return {"runs": str(runs), "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
-            "model": prepare_model.fn(ModelArgs(), runs)}
-
-
 def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stages: dict[str, str]) -> None:
     from peft import PeftModel
 
@@ -155,7 +142,7 @@ def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stage
     for fused in (False, True):
         train = TrainArgs(max_steps=4, save_steps=10, logging_steps=1, per_device_train_batch_size=4)
         folder = Path(train_adapter.fn(LoraArgs(r=8, lora_alpha=16), train, SpeedArgs(fused_lora=fused),
-                                       Path(stages["runs"]), stages["data"],
+                                       stages["runs"], stages["data"],
                                        stages["model"]))
         folders[fused] = folder
         losses[fused] = [json.loads(line)["loss"] for line in (folder / "loss.jsonl").read_text().splitlines()]

@@ -16,6 +16,7 @@ ALL_COMPUTED = dict.fromkeys(
     ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"], "computed")
 
 
+@pytest.mark.slow
 def test_one_byte_data_change_recomputes_every_stage_that_reads_it(prefect_env: Path, small_data: Path,
                                                                     tmp_path: Path) -> None:
     """prepare_model never reads the data, so it stays reused; the other four are recomputed."""
@@ -26,6 +27,7 @@ def test_one_byte_data_change_recomputes_every_stage_that_reads_it(prefect_env: 
     assert statuses(run_flow(overrides)) == {**ALL_COMPUTED, "prepare_model": "cached"}
 
 
+@pytest.mark.slow
 def test_missing_manifest_or_truncated_parquet_is_recomputed(prefect_env: Path, small_data: Path,
                                                             tmp_path: Path) -> None:
     overrides = small_overrides(small_data, tmp_path / "runs")
@@ -42,6 +44,8 @@ def test_missing_manifest_or_truncated_parquet_is_recomputed(prefect_env: Path, 
     assert parquet.stat().st_size == json.loads((data_dir / "manifest.json").read_text())["outputs"]["eval.parquet"]
 
 
+@pytest.mark.slow
+@pytest.mark.kill
 @pytest.mark.parametrize("processes", [1, 2])
 def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_path: Path, processes: int) -> None:
     """With 2 processes the kill also reaches the torchrun ranks (each in a session of its own): none of them
@@ -96,6 +100,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_train_once(small_data: Path, tmp_path: Path) -> None:
     args = ["run", "--json", *sum((["--set", o] for o in small_overrides(small_data, tmp_path / "runs")), [])]
     # separate Prefect homes: only the stage folder lock can keep them from training twice

@@ -243,3 +243,16 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients() -> None:
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_pack_collator_flattens_packs_with_boundaries_and_counts_tokens() -> None:
+    collate = pack_collator()
+    pack = {"input_ids": [[5, 6, 7], [8, 9]], "labels": [[-100, 6, 7], [8, 9]]}
+    batch = collate([pack])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # each example's first label is masked
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["max_length_q"] == 3
+    collate([pack])
+    assert collate.real_tokens == 10

@@ -8,24 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import EMBEDDED_MODEL, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.config import EMBEDDED_MODEL, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.manifest import read_manifest
-from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 
 PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-
-
-@pytest.fixture(scope="module")
-def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    runs = tmp_path_factory.mktemp("runs")
-    data = tmp_path_factory.mktemp("data") / "d.jsonl"
-    data.write_text("".join((EMBEDDED_MODEL.parent / "sample" / "instructions.jsonl").read_text()
-                            .splitlines(keepends=True)[:200]))
-    return {"runs": str(runs), "data": prepare_data.fn(DataArgs(source=str(data)), ModelArgs(), runs),
-            "model": prepare_model.fn(ModelArgs(), runs)}
 
 
 def test_prepare_model_writes_a_4bit_checkpoint_and_module_report(stages: dict[str, str]) -> None:
@@ -62,7 +51,7 @@ def test_train_adapter_alone_writes_a_loadable_adapter(stages: dict[str, str]) -
     from peft import PeftConfig
 
     train = TrainArgs(max_steps=3, save_steps=2, logging_steps=1)
-    folder = Path(train_adapter.fn(LoraArgs(r=4, lora_alpha=8), train, SpeedArgs(), Path(stages["runs"]),
+    folder = Path(train_adapter.fn(LoraArgs(r=4, lora_alpha=8), train, SpeedArgs(), stages["runs"],
                                    stages["data"], stages["model"]))
     config = PeftConfig.from_pretrained(folder / "adapter")
     assert config.r == 4 and sorted(config.target_modules) == PROJECTIONS

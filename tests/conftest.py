@@ -26,7 +26,8 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     storage = tmp_path_factory.mktemp("prefect-results")
     # a busy 2-core machine can take longer than the harness's default 30 s to start the server
-    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), prefect_test_harness(server_startup_timeout=300):
+    harness = prefect_test_harness(server_startup_timeout=300)
+    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}), harness:
         from deployments.setup import ensure_gpu_limit
 
         ensure_gpu_limit()  # train_adapter takes it strictly, as on a set-up server

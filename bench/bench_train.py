@@ -223,7 +223,7 @@ def _autocast() -> Any:
 def _batch(collator: Any, examples: Any, idx: list[int]) -> dict[str, Any]:
     import torch
 
-    if type(collator).__name__ == "pack_collator":
+    if type(collator).__name__ == "PackCollator":
         batch = collator([{"input_ids": [examples[i]["input_ids"] for i in idx],
                            "labels": [examples[i]["labels"] for i in idx]}])
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
@@ -166,7 +167,7 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
 
     from tasks.train_adapter import fit
 
-    trainer, _ = fit._trainer(model, examples, *train, out, model_dir)
+    trainer, chosen = fit._trainer(model, examples, *train, out, model_dir)
     collator = trainer.data_collator
     res: dict[str, Any] = {}
     if run.get("loss_check"):
@@ -186,7 +187,7 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
     res.update(steps=len(marks), train_loss=round(result.training_loss, 4),
                losses=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
                mean_len=round(sum(map(len, examples.input_ids)) / len(examples), 1),
-               packs=len(trainer.train_dataset), batches=getattr(collator, "choice", None), **_peaks())
+               packs=len(trainer.train_dataset), batches=dataclasses.asdict(chosen), **_peaks())
     if len(marks) >= 3:  # time from the end of the 2nd optimizer step (warm-up) to the end of the last
         (t0, k0), (t1, k1) = marks[1], marks[-1]
         res.update(timed_steps=len(marks) - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))

@@ -18,8 +18,6 @@ EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
 EMBEDDED_MODEL = PROJECT_ROOT / "data" / "tiny-llama"
 PRESETS_DIR = PROJECT_ROOT / "data" / "presets"
 
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -76,7 +74,11 @@ class ModelArgs(_Section):
     bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Matmul dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="Attention kernel; 'auto' = what transformers picks for the model (sdpa where the "
+        "model supports it, else eager, e.g. Gemma 2). One the model does not support falls back to 'auto' with a "
+        "warning. On GPUs, training with speed.packing runs flash varlen attention whatever this says.",
+    )
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8", description="Element type the packed 4-bit weights are stored in (the bits are the same). "
         "speed.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs), so FSDP can shard the 4-bit "
@@ -93,9 +95,10 @@ class LoraArgs(_Section):
         0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input (0.05 in the QLoRA paper; 0 trained 5% faster "
         "with 1.6 GiB less peak memory on an H200, Llama-3.1-8B shape).",
     )
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(ALL_PROJECTIONS),
-        description="Module names that get adapters; prepare_model lists the ones the model has.",
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names that get adapters, or 'all-linear': every Linear (and GPT-2 "
+        "Conv1D) layer except the output layer, whatever the family calls them (peft's own rule). prepare_model "
+        "lists the names the model has (modules.json); names it lacks fail before training.",
     )
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
 

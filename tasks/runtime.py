@@ -102,11 +102,36 @@ def load_quantized(model_dir: Path) -> Any:
 
     made = read_model_metrics(model_dir)
     # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (torchrun's LOCAL_RANK)
         device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
         attn_implementation=made.attn_implementation,
     )
+    keep_cpu_repacking_to_fitting_shapes(model)
+    return model
+
+
+CPU_PACK_ROWS = 32  # bitsandbytes' CPU inference layout packs the output rows in blocks of this many
+
+
+def keep_cpu_repacking_to_fitting_shapes(model: Any) -> int:
+    """Turn off bitsandbytes' CPU inference repacking for the 4-bit layers whose shapes it cannot take.
+
+    On a CPU with AVX512-BF16, a Linear4bit in eval mode without gradients repacks its weight for a faster kernel
+    on its first forward, asserting `N % block_n == 0` (bitsandbytes 0.50: output features in blocks of 32, input
+    features in whole quantization blocks). stories260K's MLP (172 wide) failed there, in evaluation, and only on
+    such CPUs. Those layers keep the plain 4-bit matmul, the others the fast path. Returns how many were turned off."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
+            state = getattr(module.weight, "quant_state", None)
+            block = state.blocksize if state is not None else 64
+            if module.out_features % CPU_PACK_ROWS or module.in_features % block:
+                module.support_avx512bf16_for_cpu = False  # Linear4bit.forward reads it before repacking
+                count += 1
+    return count
 
 
 def read_model_metrics(model_dir: Path) -> ModelMetrics:

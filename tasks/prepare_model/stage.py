@@ -62,9 +62,31 @@ def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
                                bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
     return AutoModelForCausalLM.from_pretrained(
-        source, quantization_config=quant, dtype=dtype, attn_implementation=args.attn_implementation,
+        source, quantization_config=quant, dtype=dtype, attn_implementation=attention(source, args.attn_implementation),
         device_map={"": 0} if device() == "cuda" else "cpu",
     )
+
+
+def attention(source: Path, requested: str) -> str | None:
+    """The attention implementation to load with: None (transformers picks for the model) for 'auto', and for
+    one the model's class does not support, which is logged with the ones it does."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if requested == "auto":
+        return None
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(source)), None)
+    if model_class is None:
+        return requested  # an architecture transformers does not map: it checks the request at load
+    flags = (("sdpa", "_supports_sdpa"), ("flex_attention", "_supports_flex_attn"),
+             ("flash_attention_2", "_supports_flash_attn"))
+    supported = ["eager"] + [name for name, flag in flags if getattr(model_class, flag, False)]
+    if requested in supported:
+        return requested
+    logger().warning("prepare_model: model.attn_implementation=%s is not supported by %s (it supports %s); "
+                     "loading with transformers' own choice for it", requested, model_class.__name__,
+                     ", ".join(supported))
+    return None
 
 
 def _module_report(model: Any) -> dict[str, Any]:

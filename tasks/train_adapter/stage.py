@@ -58,8 +58,10 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         return str(stage.dir)
 
 
-def check_target_modules(target_modules: list[str], model_dir: Path) -> None:
-    """Fail before training if LoRA targets modules the base model does not have."""
+def check_target_modules(target_modules: list[str] | str, model_dir: Path) -> None:
+    """Fail before training if LoRA targets modules the base model does not have ('all-linear' fits any)."""
+    if isinstance(target_modules, str):
+        return
     report = json.loads((model_dir / "modules.json").read_text())
     missing = [m for m in target_modules if m not in report["targetable"]]
     if missing:

@@ -11,6 +11,8 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from tasks.log import logger
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,6 +47,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function: varlen attention over cu_seq_lens_q when given, else sdpa."""
+    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
@@ -53,6 +56,9 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                       scaling=scaling, **kwargs)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (1, H, T, D) -> (T, H, D)
     fn = _varlen_fn() if q.is_cuda else None
+    if fn is not None and q.dtype not in (torch.float16, torch.bfloat16):
+        # flash kernels take half precision only; GPT-NeoX's partial rotary hands q/k over in float32
+        q, k, v = (t.to(_half_dtype(module, value)) for t in (q, k, v))
     default_scale = scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-6
     if fn is None or not (fn[2] or default_scale):
         groups = q.shape[1] // k.shape[1]
@@ -67,8 +73,32 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     max_len = int(kwargs.get("max_length_q") or q.shape[0])
+    window = kwargs.get("sliding_window")
+    if window and max_len > window:  # a sliding-window layer (Mistral, Gemma) over examples longer than it
+        extra["window_size"] = (window - 1, 0)
     out = varlen(q, k, v, cu, cu, max_len, max_len, **extra)
-    return out.unsqueeze(0), None
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+def _half_dtype(module: Any, value: torch.Tensor) -> torch.dtype:
+    """The half-precision dtype attention runs in: the autocast dtype, else the value's or the weights' dtype."""
+    import torch
+
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    if value.dtype in (torch.float16, torch.bfloat16):
+        return value.dtype
+    weight = next((p for p in module.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
+    return weight.dtype if weight is not None else torch.bfloat16
+
+
+def varlen_unsupported(config: Any) -> str | None:
+    """Why the flash varlen kernel cannot run this model's attention exactly, or None."""
+    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2: the kernel has no soft-capping
+        return f"attention logits soft-capped at {config.attn_logit_softcapping} ({config.model_type})"
+    if getattr(config, "attention_dropout", 0) or getattr(config, "attn_pdrop", 0):  # GPT-2: the kernel has no dropout
+        return "attention dropout (the varlen kernel has none)"
+    return None
 
 
 def use_packed_attention(model: Any) -> str:
@@ -79,6 +109,11 @@ def use_packed_attention(model: Any) -> str:
 
     if not (torch.cuda.is_available() and _varlen_fn() is not None):
         return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
+    reason = varlen_unsupported(model.config)
+    if reason:
+        logger().info("train_adapter: varlen attention steps aside: %s; packed rows are masked block-diagonally "
+                      "by %s instead", reason, model.config._attn_implementation)
+        return model.config._attn_implementation
     AttentionInterface.register(VARLEN, packed_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
     model.set_attn_implementation(VARLEN)

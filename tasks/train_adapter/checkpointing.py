@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from tasks.log import logger
 from tasks.train_adapter.parallel import several_processes
 
 if TYPE_CHECKING:
@@ -104,15 +105,32 @@ def offload_embeddings(model: Any) -> bool:
     table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
     not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
     parameter from rank 0 over NCCL, which takes GPU tensors only)."""
-    import torch
 
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if (type(emb) is not torch.nn.Embedding or emb.weight.requires_grad or emb.max_norm is not None
-            or (head is not None and head.weight is emb.weight) or several_processes()):
+
+    reason = embedding_offload_unsupported(model)
+    if reason:
+        logger().info("train_adapter: embedding offload steps aside: %s", reason)
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.set_input_embeddings(_host_embedding_type()(emb))
+    base.set_input_embeddings(_host_embedding_type()(model.get_input_embeddings()))
     return True
+
+
+def embedding_offload_unsupported(model: Any) -> str | None:
+    """Why the input embeddings cannot move to CPU memory, or None."""
+    import torch
+
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(emb) is not torch.nn.Embedding:  # Gemma 3's scaled embedding multiplies inside its forward
+        return f"the input embedding is a {type(emb).__name__}, not a plain nn.Embedding"
+    if head is not None and head.weight is emb.weight:  # GPT-2, Gemma: the head needs the table on the GPU
+        return "the input embedding is tied to the output layer"
+    if emb.weight.requires_grad or emb.max_norm is not None:
+        return "the input embedding is trained or renormalized"
+    if several_processes():
+        return "several processes (DDP broadcasts parameters over NCCL, GPU tensors only)"
+    return None
 
 
 @functools.cache

@@ -66,8 +66,10 @@ def _lora_types() -> tuple[type, ...]:
 
 
 def _base_kind(base: Any) -> str | None:
-    """'4bit' for bitsandbytes' Linear4bit, 'linear' for a plain nn.Linear, else None (not fused)."""
+    """'4bit' for bitsandbytes' Linear4bit, 'linear' for a plain nn.Linear, 'conv1d' for GPT-2's Conv1D (a
+    Linear with its weight stored transposed, in x out), else None (not fused)."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     try:
         import bitsandbytes as bnb
@@ -76,6 +78,8 @@ def _base_kind(base: Any) -> str | None:
             return "4bit"
     except ImportError:
         pass
+    if type(base) is Conv1D:
+        return "conv1d"
     return "linear" if type(base) is torch.nn.Linear else None
 
 
@@ -135,7 +139,8 @@ def _base_matmul(base: Any, kind: str, x: torch.Tensor) -> torch.Tensor:
         # grad mode is off in a Function's forward: bnb calls its gemm_4bit op directly, as MatMul4Bit does
         return bnb.matmul_4bit(x, base.weight, bias=bias, quant_state=base.weight.quant_state)
     bias = None if base.bias is None else _cast(base.bias, x.dtype)
-    return torch.nn.functional.linear(x, _cast(base.weight, x.dtype), bias)
+    weight = _cast(base.weight, x.dtype)
+    return torch.nn.functional.linear(x, weight.t() if kind == "conv1d" else weight, bias)
 
 
 def _base_weight(base: Any, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -144,7 +149,7 @@ def _base_weight(base: Any, kind: str, dtype: torch.dtype) -> torch.Tensor:
         import bitsandbytes.functional as bnb_f
 
         return _cast(bnb_f.dequantize_4bit(base.weight.data.view(-1, 1), base.weight.quant_state), dtype)
-    return _cast(base.weight, dtype)
+    return _cast(base.weight.t() if kind == "conv1d" else base.weight, dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

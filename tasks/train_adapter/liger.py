@@ -22,6 +22,12 @@ def apply_liger(model: Any, wanted: bool | None) -> bool:
         return False
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # GPT-2, GPT-NeoX, ...
+            logger().info("train_adapter: Liger steps aside: it has no kernels for model type %r",
+                          model.config.model_type)
+            return False
 
         _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)

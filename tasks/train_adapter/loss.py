@@ -16,9 +16,10 @@ def _chunk_rows(rows: int, hidden: int, vocab: int) -> int:
     return max(256, min(512, -(-rows * hidden // vocab)))
 
 
-def _linear_ce_forward(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, want_grad: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed cross-entropy of head(hidden) against labels (all valid), and its gradient w.r.t. hidden.
+def _linear_ce_forward(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, want_grad: bool,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of head(hidden) against labels (all valid), and its gradient w.r.t. hidden. With
+    softcap (Gemma 2), the logits are softcap * tanh(logits / softcap), as in the model's own forward.
 
     The logits come from calling the head module, not from its weight alone: under FSDP2 the head's parameters
     are gathered by the hooks of that call (reading head.weight without one finds a shard)."""
@@ -30,11 +31,16 @@ def _linear_ce_forward(hidden: torch.Tensor, head: torch.nn.Linear, labels: torc
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         logits = head(h).float()
+        capped = torch.tanh(logits / softcap) if softcap else None
+        if capped is not None:
+            logits = capped * softcap
         lse = torch.logsumexp(logits, dim=-1)
         total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
         if grad is not None:
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
             probs.scatter_add_(1, y[:, None], torch.full_like(lse, -1.0)[:, None])
+            if capped is not None:  # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2
+                probs.mul_(1 - capped.square_())
             grad[start:start + chunk] = probs.to(head.weight.dtype) @ head.weight
     return total, grad
 
@@ -43,8 +49,9 @@ class LinearCrossEntropy:
     """loss = sum over labelled rows of CE(head(hidden), label) / divisor; head is a frozen bias-free Linear."""
 
     @staticmethod
-    def apply(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any) -> torch.Tensor:
-        return _function().apply(hidden, head, labels, divisor)
+    def apply(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any,
+              softcap: float | None = None) -> torch.Tensor:
+        return _function().apply(hidden, head, labels, divisor, softcap)
 
 
 @functools.cache
@@ -53,13 +60,14 @@ def _function() -> Any:
 
     class _LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any
-                    ) -> torch.Tensor:
+        def forward(ctx: Any, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, divisor: Any,
+                    softcap: float | None) -> torch.Tensor:
             rows = (labels != -100).nonzero().squeeze(1)
             picked = hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows)
             if picked.dtype != head.weight.dtype:  # autocast does not reach inside a custom Function's matmuls
                 picked = picked.to(head.weight.dtype)
-            total, grad = _linear_ce_forward(picked, head, labels.index_select(0, rows), hidden.requires_grad)
+            total, grad = _linear_ce_forward(picked, head, labels.index_select(0, rows), hidden.requires_grad,
+                                             softcap)
             ctx.shape, ctx.dtype, ctx.divisor = hidden.shape, hidden.dtype, divisor
             ctx.save_for_backward(rows, grad if grad is not None else rows.new_empty(0))
             return total / divisor
@@ -69,20 +77,45 @@ def _function() -> Any:
             rows, grad = ctx.saved_tensors
             grad = (grad * (grad_out / ctx.divisor)).to(ctx.dtype)
             if rows.numel() == ctx.shape[0]:
-                return grad, None, None, None
+                return grad, None, None, None, None
             full = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
-            return full.index_copy_(0, rows, grad), None, None, None
+            return full.index_copy_(0, rows, grad), None, None, None, None
 
     return _LinearCrossEntropy
 
 
-def use_fused_loss(causal_lm: Any) -> bool:
-    """Replace a causal LM's forward (with labels) by hidden states + LinearCrossEntropy; False if not possible."""
+# config fields that change the logits after the head (Cohere, Granite, ...): the fused loss would skip them
+LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier")
+
+
+def fused_loss_unsupported(causal_lm: Any) -> str | None:
+    """Why the fused loss cannot reproduce this model's own loss, or None."""
     import torch
 
-    head = causal_lm.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or getattr(head, "bias", None) is not None or not hasattr(causal_lm, "model"):
-        return False  # a LoRA-wrapped or biased lm_head keeps transformers' own loss
+    head, inner = causal_lm.get_output_embeddings(), _inner_model(causal_lm)
+    if type(head) is not torch.nn.Linear or getattr(head, "bias", None) is not None:
+        return f"its output layer is a {type(head).__name__}{' with a bias' if head is not None else ''}, " \
+               "not a bias-free Linear"
+    if inner is None:
+        return f"{type(causal_lm).__name__} has no inner model at .{causal_lm.base_model_prefix}"
+    scaled = [name for name in LOGIT_SCALES if getattr(causal_lm.config, name, None) not in (None, 1, 1.0)]
+    return f"its logits are rescaled ({', '.join(scaled)})" if scaled else None
+
+
+def _inner_model(causal_lm: Any) -> Any:
+    """The decoder under the LM head: .model (Llama, Qwen, Gemma...), .transformer (GPT-2), .gpt_neox (Pythia)."""
+    return getattr(causal_lm, causal_lm.base_model_prefix, None)
+
+
+def use_fused_loss(causal_lm: Any) -> bool:
+    """Replace a causal LM's forward (with labels) by hidden states + LinearCrossEntropy; False where
+    fused_loss_unsupported gives a reason."""
+    import torch
+
+    if fused_loss_unsupported(causal_lm):
+        return False
+    head, inner = causal_lm.get_output_embeddings(), _inner_model(causal_lm)
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     original = causal_lm.forward
 
     def forward(input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, labels: Any = None,
@@ -92,14 +125,14 @@ def use_fused_loss(causal_lm: Any) -> bool:
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         kwargs.pop("use_cache", None)
-        out = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False, **kwargs)
+        out = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False, **kwargs)
         hidden = out.last_hidden_state[:, :-1].reshape(-1, out.last_hidden_state.shape[-1])
         targets = labels[:, 1:].reshape(-1).to(hidden.device)
         divisor = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum().clamp(min=1)
         if isinstance(divisor, torch.Tensor):
             divisor = divisor.to(hidden.device)
-        loss = LinearCrossEntropy.apply(hidden, head, targets, divisor)
+        loss = LinearCrossEntropy.apply(hidden, head, targets, divisor, softcap)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
     causal_lm.forward = forward

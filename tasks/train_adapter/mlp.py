@@ -13,10 +13,21 @@ def tile_mlp(model: Any, chunk: int) -> int:
     """Run each decoder layer's MLP over at most `chunk` tokens at a time, each chunk checkpointed on its own:
     the (tokens x intermediate_size) activations of a long sequence never exist at once, for one more MLP
     forward in the backward pass. Returns how many MLPs were changed."""
-    layers = getattr(getattr(model, "model", None), "layers", [])
+    layers = decoder_layers(model)
     for layer in layers:
         layer.mlp.forward = functools.partial(_tiled_mlp, layer.mlp.forward, chunk)
     return len(layers)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers that have an .mlp, wherever the family keeps them (model.layers, transformer.h,
+    gpt_neox.layers): the first ModuleList of such layers."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(hasattr(m, "mlp") for m in module):
+            return list(module)
+    return []
 
 
 def _tiled_mlp(forward: Any, chunk: int, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tasks.log import logger
 from tasks.train_adapter.attention import use_packed_attention
 from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
-from tasks.train_adapter.loss import use_fused_loss
+from tasks.train_adapter.loss import fused_loss_unsupported, use_fused_loss
 from tasks.train_adapter.mlp import tile_mlp
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
@@ -51,7 +51,8 @@ def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
 
 
 def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
-    """Before LoRA wraps the model: Liger kernels, packed attention, fused loss. Returns what was applied."""
+    """Before LoRA wraps the model: Liger kernels, packed attention, fused loss. Returns what was applied; a lever
+    that does not fit the model's family logs one line saying why and steps aside."""
     import torch
 
     applied = []
@@ -60,12 +61,21 @@ def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if apply_liger(model, speed.use_liger_kernel):
         applied.append("liger")
-    if speed.mlp_chunk_tokens and tile_mlp(model, speed.mlp_chunk_tokens):
-        applied.append(f"MLP in chunks of {speed.mlp_chunk_tokens} tokens")
+    if speed.mlp_chunk_tokens:
+        if tile_mlp(model, speed.mlp_chunk_tokens):
+            applied.append(f"MLP in chunks of {speed.mlp_chunk_tokens} tokens")
+        else:
+            logger().info("train_adapter: chunked MLP steps aside: %s has no decoder layers with an .mlp",
+                          type(model).__name__)
     if speed.packing:
         applied.append(f"packed attention ({use_packed_attention(model)})")
-    if speed.fused_cross_entropy and use_fused_loss(model):
-        applied.append("fused cross-entropy")
+    if speed.fused_cross_entropy:
+        reason = fused_loss_unsupported(model)
+        if reason is None and use_fused_loss(model):
+            applied.append("fused cross-entropy")
+        else:
+            logger().info("train_adapter: fused cross-entropy steps aside: %s; transformers computes the loss",
+                          reason)
     return applied
 
 

@@ -107,12 +107,37 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
 
     # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
     # original full-precision ones, whose quantization error the adapter never saw)
-    base = load_quantized(model_dir).dequantize().to(getattr(torch, args.merged_dtype))
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    quantized = load_quantized(model_dir)
+    conv1d = _conv1d_names(quantized)
+    base = quantized.dequantize().to(getattr(torch, args.merged_dtype))
+    merged = _restore_conv1d(PeftModel.from_pretrained(base, adapter).merge_and_unload(), conv1d)
     merged.save_pretrained(out, max_shard_size=args.max_shard_size)
     _copy_files(model_dir, out, names=_tokenizer_files(model_dir))
     logger().info("export_adapter: merged %s model (%s) in %s", args.merged_dtype, adapter, out)
     return sorted(str(p.relative_to(out.parent)) for p in out.rglob("*") if p.is_file())
+
+
+def _conv1d_names(model: Any) -> list[str]:
+    """4-bit layers that were GPT-2 Conv1D layers before quantization (transformers keeps the source class)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [name for name, module in model.named_modules()
+            if isinstance(getattr(module, "source_cls", None), type) and issubclass(module.source_cls, Conv1D)]
+
+
+def _restore_conv1d(model: Any, names: list[str]) -> Any:
+    """Put GPT-2's Conv1D layers back: dequantize() returns nn.Linear (weight out x in), while a GPT-2 checkpoint
+    stores Conv1D weights in x out; saved as Linear they load transposed, or not at all."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name in names:
+        linear = model.get_submodule(name)
+        conv = Conv1D(linear.out_features, linear.in_features).to(linear.weight.dtype)
+        conv.weight.data = linear.weight.data.t().contiguous()
+        if linear.bias is not None:
+            conv.bias.data = linear.bias.data
+        model.set_submodule(name, conv)
+    return model
 
 
 def _tokenizer_files(model_dir: Path) -> list[str]:

@@ -41,6 +41,10 @@ CHAT_TEMPLATES: dict[str, str] = {
     ),
 }
 
+# A chat template may refuse a system role (Gemma's raises "System role not supported"). For those the rule is
+# Gemma 3's own: each system message is put before the next user message, separated by a blank line.
+SYSTEM_SEPARATOR = "\n\n"
+
 Segments = list[tuple[str, bool]]  # (text, counts in the loss)
 RenderChat = Callable[[list[dict[str, str]], bool], str]  # (messages, add_generation_prompt) -> text
 
@@ -98,6 +102,25 @@ def to_segments(record: dict[str, Any], fmt: str, completion_only: bool, render_
 
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
+
+
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Each system message moved into the next user message (system text, blank line, user text), for chat
+    templates without a system role. A system message with no user message after it is an error."""
+    out: list[dict[str, str]] = []
+    pending: list[str] = []
+    for message in messages:
+        if message["role"] == "system":
+            pending.append(message["content"])
+        elif message["role"] == "user" and pending:
+            out.append({"role": "user", "content": SYSTEM_SEPARATOR.join([*pending, message["content"]])})
+            pending = []
+        else:
+            out.append(message)
+    if pending:
+        raise ValueError("a system message is not followed by a user message, and this chat template has no "
+                         "system role to put it in")
+    return out
 
 
 def _chat_segments(messages: Any, completion_only: bool, render: RenderChat | None) -> Segments | None:

@@ -90,8 +90,12 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
                         f"be rendered. Set data.chat_template to one of {', '.join(CHAT_TEMPLATES)} "
                         "(README: Data formats).")
     completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
-    return make_settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only, args.max_seq_length,
-                         template)
+    settings = make_settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only,
+                             args.max_seq_length, template)
+    if settings.fold_system:
+        logger().info("prepare_data: the chat template has no system role: each system message goes before the next "
+                      "user message, separated by a blank line (README: Data formats)")
+    return settings
 
 
 def _cores() -> int:

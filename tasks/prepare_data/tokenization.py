@@ -9,6 +9,7 @@ import neither transformers nor torch (unless chat templates need them), so they
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import multiprocessing
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tasks.log import logger
-from tasks.prepare_data.formats import Segments, to_segments
+from tasks.prepare_data.formats import Segments, fold_system, to_segments
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 
 _DESCRIBED: dict[tuple, dict[str, Any]] = {}
@@ -45,6 +46,7 @@ class Settings:
     eos: list[int]
     eos_text: str
     backend_json: str | None  # the fast tokenizer as loaded here, so workers need not import transformers
+    fold_system: bool = False  # the chat template refuses a system role: tasks.formats.fold_system applies
 
 
 def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], completion_only: bool,
@@ -62,7 +64,23 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
                         prefix=[] if fmt == "chat" else facts["prefix"], eos=facts["eos"],
                         eos_text=facts["eos_text"], backend_json=facts["backend_json"])
     init(settings, worker=False)
+    if fmt == "chat" and refuses_system_role(_STATE["tokenizer"], chat_template):
+        settings = dataclasses.replace(settings, fold_system=True)
+        init(settings, worker=False)
     return settings
+
+
+def refuses_system_role(tokenizer: Any, chat_template: str | None) -> bool:
+    """True when the chat template renders a user turn but raises on a system message (Gemma's)."""
+    def renders(messages: list[dict[str, str]]) -> bool:
+        try:
+            tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+        except Exception:  # noqa: BLE001 - jinja's raise_exception surfaces as a TemplateError
+            return False
+        return True
+
+    user = {"role": "user", "content": "hi"}
+    return renders([user]) and not renders([{"role": "system", "content": "be brief"}, user])
 
 
 def _describe(tokenizer_dir: str) -> dict[str, Any]:
@@ -115,6 +133,8 @@ def init(settings: Settings, worker: bool = True) -> None:
 
 
 def _render_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    if _STATE["settings"].fold_system:
+        messages = fold_system(messages)
     return _STATE["tokenizer"].apply_chat_template(
         messages, chat_template=_STATE["settings"].chat_template, tokenize=False,
         add_generation_prompt=add_generation_prompt)

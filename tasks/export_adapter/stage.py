@@ -33,7 +33,7 @@ from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
-VERSION = "2"  # 2: exports registry and promotion gate, merged model, generation metrics in the card
+VERSION = "3"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]

@@ -25,7 +25,7 @@ from tasks.train_adapter import launch, parallel
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save
 
-VERSION = "1"
+VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapters trained before were off)
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
 
 

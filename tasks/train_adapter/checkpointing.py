@@ -105,8 +105,6 @@ def offload_embeddings(model: Any) -> bool:
     table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
     not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
     parameter from rank 0 over NCCL, which takes GPU tensors only)."""
-
-
     reason = embedding_offload_unsupported(model)
     if reason:
         logger().info("train_adapter: embedding offload steps aside: %s", reason)
@@ -119,7 +117,6 @@ def offload_embeddings(model: Any) -> bool:
 def embedding_offload_unsupported(model: Any) -> str | None:
     """Why the input embeddings cannot move to CPU memory, or None."""
     import torch
-
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(emb) is not torch.nn.Embedding:  # Gemma 3's scaled embedding multiplies inside its forward

@@ -162,6 +162,16 @@ def test_model_dims_read_each_familys_config_names() -> None:
     assert model_dims(tf.OPTConfig(hidden_size=64, ffn_dim=100, num_hidden_layers=2)) == (64, 100, 2, 50272)
 
 
+def test_varlen_attention_steps_aside_where_its_kernel_would_change_the_maths() -> None:
+    from tasks.train_adapter.attention import varlen_unsupported
+    from tests.families import family_config
+
+    reasons = {f: varlen_unsupported(family_config(f)) for f in FAMILIES}
+    assert reasons.pop("gemma2") == "attention logits soft-capped at 50.0 (gemma2)"
+    assert reasons.pop("gpt2") == "attention dropout (the varlen kernel has none)"  # GPT-2's attn_pdrop 0.1
+    assert set(reasons.values()) == {None}
+
+
 # --- bitsandbytes' CPU inference repacking -------------------------------------------------------------------
 
 def test_layers_that_cpu_repacking_cannot_take_keep_the_plain_4bit_path(tmp_path: Path,

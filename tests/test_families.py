@@ -58,6 +58,7 @@ def _no_cpu_repack(model: Any) -> Any:
     return model
 
 
+@pytest.mark.slow  # whole flow runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_with_defaults_and_exports_a_working_adapter(family: str, family_runs: dict[str, Any],
                                                                    family_root: Path) -> None:
@@ -359,6 +360,7 @@ def _wikitext_shaped(lines: int) -> str:
     return "\n".join(out) + "\n"
 
 
+@pytest.mark.slow  # a whole flow run
 def test_guide_settings_run_on_a_tiny_gpt2_and_wikitext_shaped_text(prefect_env: Path, tmp_path: Path) -> None:
     """The preset's settings, unchanged but for the model, the data (local, WikiText-shaped) and the epochs."""
     text = tmp_path / "wiki.train.raw"

@@ -1,19 +1,24 @@
 """Stage folders, cache keys and manifest.json: the on-disk contract between stages.
 
 A stage's output is `runs_dir/<stage>/<key>/`. The folder is done only when its manifest.json exists,
-validates as a `Manifest` (with the metrics type of its stage), names the same key, and every output
-file it lists has the recorded size: the manifest is written last and atomically, so a crash at any
-moment leaves either no manifest or a complete one, and a truncated output file is caught by its size.
+validates as a `Manifest` (with the metrics type of its stage), names the same key, lists every output
+its stage must have (REQUIRED: a manifest cannot vouch for less), and every output file it lists has
+the recorded size and sha256: the manifest is written last and atomically, so a crash at any moment
+leaves either no manifest or a complete one, and damaged output (truncated, or bytes changed in
+place) is caught. Hashes are memoised per file identity (path, size, mtime_ns, inode) in this process
+and in the stage folder's `.hashes.json`, so a reused stage costs a stat per file, not a read.
 Manifests are read and written here only; every other module reads them as typed objects.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
 import platform
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +34,16 @@ from tasks.log import current_run_attempt, logger
 
 MANIFEST = "manifest.json"
 _VERSIONED = ["torch", "transformers", "peft", "bitsandbytes", "prefect", "pyarrow"]
-_FILE_HASH_CACHE: dict[tuple[str, int, int], str] = {}
+HASH_MEMO = ".hashes.json"  # in each stage folder: file name -> [size, mtime_ns, inode, sha256]
+_FILE_HASH_CACHE: dict[tuple[str, int, int, int], str] = {}
+# The outputs each stage must have (fnmatch patterns, relative to the folder); a manifest lists them all.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "prepare_data": ("train.parquet", "eval.parquet"),
+    "prepare_model": ("config.json", "modules.json", "*.safetensors"),
+    "train_adapter": ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "loss.jsonl"),
+    "evaluate_adapter": ("metrics.json", "samples.jsonl"),
+    "export_adapter": ("adapter_config.json", "adapter_model.safetensors", "run_config.yaml", "README.md"),
+}
 
 
 class _Metrics(BaseModel):
@@ -143,6 +157,7 @@ class Manifest(BaseModel):
     upstream: dict[str, Upstream]
     fingerprint: dict[str, str]
     outputs: dict[str, int]  # file name relative to the folder -> size in bytes
+    hashes: dict[str, str] = {}  # file name relative to the folder -> sha256 of its bytes
     metrics: DataMetrics | ModelMetrics | TrainMetrics | EvalMetrics | ExportMetrics
     versions: dict[str, str]
     run_attempt: str | None
@@ -165,9 +180,9 @@ def hash_json(obj: Any) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """Content hash of one file, memoised per (path, size, mtime) within the process."""
+    """Content hash of one file, memoised per identity (path, size, mtime_ns, inode) within the process."""
     st = path.stat()
-    memo = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     if memo not in _FILE_HASH_CACHE:
         with path.open("rb") as f:
             _FILE_HASH_CACHE[memo] = hashlib.file_digest(f, "sha256").hexdigest()
@@ -182,17 +197,71 @@ def files_fingerprint(paths: list[Path], root: Path | None = None) -> str:
 
 def read_manifest(folder: Path) -> Manifest | None:
     """The folder's manifest if the stage finished there and its outputs are intact, else None."""
+    return check_stage(folder)[0]
+
+
+def check_stage(folder: Path) -> tuple[Manifest | None, str]:
+    """(manifest, "") for a finished, intact stage folder; (None, why not) otherwise."""
     try:
         manifest = Manifest.model_validate_json((folder / MANIFEST).read_bytes())
-    except (OSError, ValidationError):
-        return None
+    except FileNotFoundError:
+        return None, f"no {MANIFEST}"
+    except (OSError, ValidationError) as exc:
+        return None, f"{MANIFEST} is unreadable ({type(exc).__name__})"
     if manifest.key != folder.name:
-        return None
+        return None, f"{MANIFEST} names key {manifest.key}"
+    lacking = [p for p in REQUIRED[manifest.stage] if not fnmatch.filter(manifest.outputs, p)]
+    if lacking:
+        return None, f"{MANIFEST} does not list {', '.join(lacking)}"
+    unhashed = sorted(set(manifest.outputs) - set(manifest.hashes))
+    if unhashed:
+        return None, f"{MANIFEST} records no content hash for {', '.join(unhashed)}"
+    memo = _HashMemo(folder)
     for name, size in manifest.outputs.items():
         out = folder / name
-        if not out.is_file() or out.stat().st_size != size:
-            return None
-    return manifest
+        if not out.is_file():
+            return None, f"{name} is missing"
+        if out.stat().st_size != size:
+            return None, f"{name} has {out.stat().st_size} bytes, not the {size} recorded"
+        if memo.sha256(name) != manifest.hashes[name]:
+            return None, f"{name} is damaged (its sha256 differs from the one recorded)"
+    memo.save()
+    return manifest, ""
+
+
+class _HashMemo:
+    """sha256 of a stage folder's files by identity (size, mtime_ns, inode), kept in the folder across processes.
+
+    A file rewritten in place gets a new mtime (and usually size), so its memo entry no longer applies and it
+    is hashed again; only a write that restores the old mtime by hand would go unseen.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.changed = folder, False
+        try:
+            self.entries: dict[str, list[Any]] = json.loads((folder / HASH_MEMO).read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def sha256(self, name: str) -> str:
+        st = (self.folder / name).stat()
+        identity = [st.st_size, st.st_mtime_ns, st.st_ino]
+        entry = self.entries.get(name)
+        if isinstance(entry, list) and entry[:3] == identity:
+            return str(entry[3])
+        digest = file_sha256(self.folder / name)
+        self.entries[name], self.changed = [*identity, digest], True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        tmp = self.folder / f".{HASH_MEMO}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.folder / HASH_MEMO)
+        except OSError:  # a read-only runs_dir: verification still works, only slower next time
+            tmp.unlink(missing_ok=True)
 
 
 def upstream_key(folder: Path | str) -> str:
@@ -251,11 +320,17 @@ class StageRun:
 
     def finish(self, outputs: list[str], metrics: dict[str, Any], resumed_from_step: int | None = None) -> Manifest:
         """Write manifest.json last, atomically; `outputs` are file names relative to the folder."""
+        lacking = [p for p in REQUIRED[self.spec.stage] if not fnmatch.filter(outputs, p)]
+        if lacking:
+            raise RuntimeError(f"{self.spec.stage}: outputs lack {', '.join(lacking)}, which the stage must write")
+        memo = _HashMemo(self.dir)
+        hashes = {name: memo.sha256(name) for name in sorted(outputs)}
+        memo.save()
         manifest = Manifest(
             stage=self.spec.stage, key=self.key, version=self.spec.version, params=self.spec.params,
             upstream={n: Upstream(key=upstream_key(f), dir=str(f)) for n, f in self.spec.upstream.items()},
             fingerprint=self.spec.fingerprint,
-            outputs={name: (self.dir / name).stat().st_size for name in sorted(outputs)},
+            outputs={name: (self.dir / name).stat().st_size for name in sorted(outputs)}, hashes=hashes,
             metrics=metrics, versions=versions(), run_attempt=current_run_attempt(), started_at=self.started,
             seconds=round(time.time() - self.started, 2), resumed_from_step=resumed_from_step,
         )
@@ -287,10 +362,13 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
         logger().info("%s %s: another run is computing it; waiting for its lock", spec.stage, key)
         lock.acquire()
     try:
-        if read_manifest(folder) is not None:
+        manifest, problem = check_stage(folder)
+        if manifest is not None:
             logger().info("%s %s: reusing %s", spec.stage, key, folder)
             yield StageRun(spec, folder, key, done=True)
             return
+        if (folder / MANIFEST).exists():
+            logger().warning("%s %s: recomputing %s: %s", spec.stage, key, folder, problem)
         _clear(folder, keep)
         logger().info("%s %s: computing into %s", spec.stage, key, folder)
         run = StageRun(spec, folder, key, done=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from transformers import TrainerCallback
 from tasks.artifacts import TrainingProgress
 from tasks.examples import pad_collator
 from tasks.log import logger
-from tasks.train_adapter.checkpoints import COMPLETE
+from tasks.train_adapter.checkpoints import write_marker
 
 
 class mark_complete(TrainerCallback):  # noqa: N801
@@ -24,10 +23,7 @@ class mark_complete(TrainerCallback):  # noqa: N801
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:  # rank 0 writes the checkpoint folder
             return
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        tmp = folder / f".{COMPLETE}.tmp"
-        tmp.write_text(json.dumps({"step": state.global_step, "time": time.time()}))
-        os.replace(tmp, folder / COMPLETE)
+        write_marker(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
 
 
 class LossLog(TrainerCallback):

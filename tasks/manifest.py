@@ -42,7 +42,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "prepare_model": ("config.json", "modules.json", "*.safetensors"),
     "train_adapter": ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "loss.jsonl"),
     "evaluate_adapter": ("metrics.json", "samples.jsonl"),
-    "export_adapter": ("adapter_config.json", "adapter_model.safetensors", "run_config.yaml", "README.md"),
+    "export_adapter": ("adapter_config.json", "adapter_model.safetensors", "run_config.yaml", "README.md",
+                       "published/version.json"),
 }
 
 

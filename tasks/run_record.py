@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks import registry
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
-from tasks.log import current_run_attempt
+from tasks.log import current_run_attempt, logger
 from tasks.manifest import Manifest, read_manifest
 
 
@@ -33,6 +34,8 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     by_stage = {m.stage: m.metrics.model_dump() for m in manifests}
     # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason, champion_*)
     metrics = {**by_stage["evaluate_adapter"], **by_stage.get("export_adapter", {})}
+    if "export_adapter" in by_stage:
+        metrics.update(registry_now(config, Path(stage_dirs[-1])))
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
     run_dir.mkdir(parents=True, exist_ok=True)
     train_dir = Path(stages["train_adapter"]["dir"])
@@ -40,3 +43,12 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
                                                  indent=2))
     return summary
+
+
+def registry_now(config: RunConfig, export_dir: Path) -> dict[str, Any]:
+    """Repair the registry from the export folder if needed; its champion as it is now, for the summary."""
+    root = registry.registry_dir(config.runs_dir, config.export.name)
+    for fixed in registry.repair(root, export_dir):
+        logger().warning("registry %s: %s", config.export.name, fixed)
+    now = registry.current(root)
+    return {"champion_version": now["champion_version"], "champion_tuned_eval_loss": now["champion_tuned_eval_loss"]}

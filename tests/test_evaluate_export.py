@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from tasks import registry
 from tasks.config import EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
 from tasks.evaluate_adapter.stage import evaluate_adapter
-from tasks.export_adapter import registry
 from tasks.export_adapter.stage import export_adapter
 from tasks.manifest import MANIFEST, read_manifest
 from tasks.train_adapter.stage import train_adapter

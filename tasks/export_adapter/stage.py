@@ -11,7 +11,8 @@ AutoModelForCausalLM).
 Then publishes that folder as runs_dir/exports/<export.name>/vNNNN/ (tasks/registry.py): promoted to
 champion when its tuned eval loss beats the champion's by export.promotion_margin, else kept as a
 rejected candidate with the reason. Publishing happens once per stage key: a cached stage publishes
-nothing, and the manifest's metrics record the version and the verdict.
+nothing, and the manifest's metrics record the version and the verdict. published/ keeps the version's
+record and card, from which a reused stage restores a deleted version folder or champion.json.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import artifacts
+from tasks import artifacts, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs
-from tasks.export_adapter import registry
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
@@ -54,6 +54,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
     """Write the adapter, tokenizer, model card and run config; publish them as a registry version."""
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir)) as stage:
         if stage.done:
+            for fixed in registry.repair(registry.registry_dir(runs_dir, args.name), stage.dir):
+                logger().warning("export_adapter: registry %s: %s", args.name, fixed)
             return str(stage.dir)
         manifests = {m.stage: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir, eval_dir)))}
         outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir,
@@ -72,7 +74,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                       record["reason"])
         artifacts.table("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
                        f"{args.name} {record['version']} {record['promotion']}: {record['reason']}")
-        stage.finish([*outputs, "run_config.yaml", "README.md"], _stage_metrics(args.name, record))
+        published = [f"{registry.PUBLISHED}/README.md", f"{registry.PUBLISHED}/{registry.VERSION_FILE}"]
+        stage.finish([*outputs, "run_config.yaml", "README.md", *published], _stage_metrics(args.name, record))
         return str(stage.dir)
 
 

@@ -9,6 +9,12 @@ a `.tmp-*` folder, cleared by the next publish); champion.json is replaced atomi
 os.replace). A file lock beside the registry serializes publishers. Each version records the export
 stage key that produced it: a stage recomputed under the same key (its manifest lost after publishing)
 gets that version back instead of a second one.
+
+The registry repairs itself from the export stage folders: each keeps a copy of its version's record
+and card in `published/`, so `repair` restores a deleted version folder, and a missing or stale
+champion.json is rebuilt from the newest promoted version still present. `current` says what the
+registry holds now; the run summary reports that, not what the manifest recorded when it published.
+Part of the shared contract (not of export_adapter) because the run record calls it too.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from filelock import FileLock
 
 VERSION_FILE = "version.json"
 CHAMPION = "champion.json"
+PUBLISHED = "published"  # in the export stage folder: the version.json and README.md it was published with
 _VERSION_NAME = re.compile(r"^v(\d{4,})$")
 
 
@@ -74,6 +81,7 @@ def publish(root: Path, source: Path, stage_key: str, metrics: dict[str, Any], m
     with FileLock(str(root) + ".lock"):
         for record in versions(root):
             if record["stage_key"] == stage_key:
+                _keep_published(root / record["version"], Path(source))
                 _ensure_champion(root, record)
                 return {**record, "published_now": False}
         for stale in root.glob(".tmp-*"):  # a publisher killed mid-copy
@@ -87,17 +95,68 @@ def publish(root: Path, source: Path, stage_key: str, metrics: dict[str, Any], m
                   "source": str(source), "champion_before": current and {k: current[k] for k in ("version",
                                                                                              "metrics")},
                   "published_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = root / f".tmp-{version}-{os.getpid()}"
-        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("manifest.json", ".*"),
-                        copy_function=_link_or_copy)
-        (tmp / "README.md").unlink(missing_ok=True)  # may be a hard link to the stage's card: never write through
-        (tmp / "README.md").write_text(card(root / version, record))
-        (tmp / VERSION_FILE).write_text(json.dumps(record, indent=2))
-        if (root / version).exists():  # rename would replace an empty folder; never overwrite anything
-            raise RuntimeError(f"{root / version} exists although no version.json names it; remove it by hand")
-        os.rename(tmp, root / version)
+        published = Path(source) / PUBLISHED
+        published.mkdir(exist_ok=True)
+        (published / "README.md").write_text(card(root / version, record))
+        (published / VERSION_FILE).write_text(json.dumps(record, indent=2))
+        _place_version(root, Path(source), version)
         _ensure_champion(root, record)
         return {**record, "published_now": True}
+
+
+def _keep_published(version_dir: Path, source: Path) -> None:
+    """Copy a version's record and card into the stage folder's published/ (a stage recomputed under its key)."""
+    (source / PUBLISHED).mkdir(exist_ok=True)
+    for name in ("README.md", VERSION_FILE):
+        shutil.copyfile(version_dir / name, source / PUBLISHED / name)
+
+
+def _place_version(root: Path, source: Path, version: str) -> None:
+    """Copy a stage folder (with its published/ card and record) to root/version, atomically by rename."""
+    tmp = root / f".tmp-{version}-{os.getpid()}"
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("manifest.json", ".*", PUBLISHED),
+                    copy_function=_link_or_copy)
+    for name in ("README.md", VERSION_FILE):
+        (tmp / name).unlink(missing_ok=True)  # may be a hard link to the stage's card: never write through
+        shutil.copyfile(source / PUBLISHED / name, tmp / name)
+    if (root / version).exists():  # rename would replace an empty folder; never overwrite anything
+        raise RuntimeError(f"{root / version} exists although no version.json names it; remove it by hand")
+    os.rename(tmp, root / version)
+
+
+def repair(root: Path, stage_dir: Path) -> list[str]:
+    """Restore what is missing of the version an export stage folder published, and champion.json; what was done."""
+    record_file = Path(stage_dir) / PUBLISHED / VERSION_FILE
+    if not record_file.is_file():
+        return []
+    record = json.loads(record_file.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    done: list[str] = []
+    with FileLock(str(root) + ".lock"):
+        version = record["version"]
+        if not (root / version / VERSION_FILE).is_file():
+            if (root / version).exists():
+                shutil.rmtree(root / version)  # a damaged copy: its version.json is gone
+            _place_version(root, Path(stage_dir), version)
+            done.append(f"restored {version} from {stage_dir}")
+        current = champion(root)
+        if current is None or not (root / current["version"] / VERSION_FILE).is_file():
+            newest = next((r for r in reversed(versions(root)) if r["promotion"] == "promoted"), None)
+            (root / CHAMPION).unlink(missing_ok=True)
+            if newest is not None:
+                _ensure_champion(root, newest)
+                done.append(f"rebuilt {CHAMPION}: champion {newest['version']}")
+    return done
+
+
+def current(root: Path) -> dict[str, Any]:
+    """The registry as it is now: its versions and champion (version, path, tuned eval loss)."""
+    now = champion(root)
+    if now is not None and not (root / now["version"] / VERSION_FILE).is_file():
+        now = None  # champion.json names a version that is gone
+    return {"versions": [r["version"] for r in versions(root)],
+            "champion_version": now and now["version"], "champion_path": now and now["path"],
+            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"]}
 
 
 def _ensure_champion(root: Path, record: dict[str, Any]) -> None:

@@ -31,7 +31,10 @@ class StageCache(CachePolicy):
     def compute_key(
         self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
     ) -> str | None:
-        spec = self.spec_fn(**inputs)
+        try:
+            spec = self.spec_fn(**inputs)
+        except UserError:
+            return None  # no key; the task body raises the same error, once, without a cache-key traceback
         # runs_dir in the key: each runs_dir has its own records, pointing at its own folders
         key = f"{spec.stage}-{spec.key}-{hash_json(str(spec.runs_dir))[:8]}"
         if read_manifest(spec.dir) is None and task_ctx.result_store.exists(key):

@@ -7,11 +7,12 @@ BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and need
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
@@ -49,14 +50,23 @@ class DataArgs(_Section):
     completion_only_loss: bool | None = Field(
         None, description="Mask prompt tokens from the loss. None: yes for instruction and chat formats, no for text."
     )
-    max_seq_length: int = Field(256, gt=0, description="Tokens per example; longer ones are truncated.")
+    max_seq_length: int = Field(
+        256, gt=0, le=1 << 20, description="Tokens per example; longer ones are truncated. At most the base "
+        "model's max_position_embeddings.",
+    )
     eval_fraction: float = Field(
-        0.1, ge=0.0, lt=1.0, description="Share of examples held out for evaluation (split by content hash)."
+        0.1, gt=0.0, lt=1.0, description="Share of examples held out for evaluation (split by content hash); "
+        "evaluate_adapter needs some.",
     )
     max_empty_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Rows with an empty or whitespace-only response are dropped; fail when "
         "more than this share of the rows is empty (a sign of a wrong column). Blank lines of text data are "
         "dropped without limit.",
+    )
+    allowed_roots: list[str] | None = Field(
+        None, description="If set, data.source must lie inside one of these folders (symbolic links resolved) or "
+        "start with one of these URL prefixes (s3://bucket/); hub dataset ids stay allowed. Set it in "
+        "deployments so a run started from the UI cannot read other files of the worker.",
     )
     pack_examples: bool = Field(
         False, description="Pack whole examples into rows of up to max_seq_length tokens at data time, with "
@@ -106,7 +116,7 @@ class LoraArgs(_Section):
 class TrainArgs(_Section):
     """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter)."""
 
-    max_steps: int = Field(-1, ge=-1, description="Optimizer steps; -1 = train by num_train_epochs.")
+    max_steps: int = Field(-1, ge=-1, description="Optimizer steps (1 or more); -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
@@ -127,6 +137,13 @@ class TrainArgs(_Section):
     save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints.")
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between loss log lines.")
     seed: int = Field(42, description="Seed for LoRA init, data order and dropout.")
+
+    @field_validator("max_steps")
+    @classmethod
+    def _some_steps(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("0 steps would train nothing: give 1 or more, or -1 to train for num_train_epochs")
+        return value
 
 
 class SpeedArgs(_Section):
@@ -216,7 +233,7 @@ class ExportArgs(_Section):
     """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
 
     name: str = Field(
-        "adapter", pattern=r"^[A-Za-z0-9._-]+$",
+        "adapter", max_length=100,
         description="Registry name: versions go to runs_dir/exports/<name>/vNNNN/, the champion to champion.json.",
     )
     promotion_margin: float = Field(
@@ -231,6 +248,15 @@ class ExportArgs(_Section):
         "bfloat16", description="dtype of the merged model's weights.",
     )
     max_shard_size: str = Field("5GB", description="Largest safetensors shard of the merged model (save_pretrained).")
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, value: str) -> str:
+        # the name is a folder under runs_dir/exports/: '.', '..' or a '/' would publish elsewhere
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", value):
+            raise ValueError("must be one folder name: letters, digits, '.', '_' and '-', not starting with '.' "
+                             "(e.g. support-bot)")
+        return value
 
 
 class RunConfig(_Section):

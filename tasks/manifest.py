@@ -30,6 +30,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 
 MANIFEST = "manifest.json"
@@ -265,6 +266,23 @@ class _HashMemo:
             tmp.unlink(missing_ok=True)
 
 
+def check_runs_dir(runs_dir: Path) -> None:
+    """Fail with the fix when runs_dir cannot hold stage folders: a file, or a folder this user cannot write."""
+    path = Path(runs_dir).expanduser()
+    probe = path / f".write-test-{os.getpid()}-{threading.get_ident()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        why = ("it, or a folder above it, is a file" if isinstance(exc, (FileExistsError, NotADirectoryError))
+               else f"{exc.strerror or exc} ({type(exc).__name__})")
+        raise UserError(
+            f"runs_dir={str(runs_dir)!r} cannot be used: {why}. The pipeline writes stage folders, their locks and "
+            "run records there, even when every stage is reused. Point runs_dir at a folder this user can write "
+            "(--set runs_dir=PATH), or fix its permissions.") from None
+
+
 def upstream_key(folder: Path | str) -> str:
     """The key of a finished upstream stage folder; fails if that stage is not done."""
     manifest = read_manifest(Path(folder))
@@ -353,6 +371,7 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
     lock never blocks. A second run needing the same key waits here and then reuses the result.
     `keep` names entries of a half-finished folder to keep (training checkpoints, for resume).
     """
+    check_runs_dir(spec.runs_dir)
     key = spec.key
     folder = spec.dir
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw:
 CHUNK_ROWS = 4096  # rows per chunk: one tokenizer call, one Parquet row group
 CHUNK_BYTES = 8 << 20  # and at most this many bytes, for long documents
 _SURROGATE = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under errors="surrogateescape"
-_HUB_NOT_FOUND = ("LocalEntryNotFoundError", "RepositoryNotFoundError", "RevisionNotFoundError")
 _REMOTE_HASHES: dict[tuple[str, str], str] = {}
 
 
@@ -123,14 +122,7 @@ def _is_local_fs(fs: Any) -> bool:
 def fingerprint(args: DataArgs) -> str:
     """Content identity of the data: the bytes of every file read, or the resolved hub commit."""
     if is_hub(args.source):
-        try:
-            return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
-        except Exception as exc:
-            if type(exc).__name__ not in _HUB_NOT_FOUND:
-                raise  # network trouble: let the stage retry
-            raise UserError(f"data.source={args.source!r} (revision {args.revision or 'default'}) is not a hub dataset "
-                            f"that can be reached: {exc}. Check the id, or with HF_HUB_OFFLINE=1 fetch it first "
-                            f"(hf download {args.source} --repo-type dataset).") from exc
+        return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
     fs, paths = data_files(args.source)
     if _is_local_fs(fs):
         if len(paths) == 1:

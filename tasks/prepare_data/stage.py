@@ -29,7 +29,7 @@ from tasks.manifest import StageSpec, open_stage
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, columns, fingerprint, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
-from tasks.runtime import TOKENIZER_FILES, load_tokenizer, model_fingerprint, model_path
+from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
 VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]
@@ -84,6 +84,11 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
     tokenizer_dir = model_path(model.base_model, model.revision)
+    positions = max_positions(tokenizer_dir)
+    if positions is not None and args.max_seq_length > positions:
+        raise UserError(f"data.max_seq_length={args.max_seq_length} is more than the {positions} positions "
+                        f"{model.base_model} covers (max_position_embeddings in its config.json). Set "
+                        f"data.max_seq_length to {positions} or less.")
     template = CHAT_TEMPLATES.get(args.chat_template) if fmt == "chat" else None
     if fmt == "chat" and template is None and not load_tokenizer(tokenizer_dir).chat_template:
         raise UserError(f"The tokenizer of {model.base_model} has no chat template, so the chat format cannot "

@@ -52,7 +52,9 @@ def test_default_run_publishes_the_first_champion_and_eval_tables(default_run: d
 
 def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -> None:
     dirs = {stage: Path(info["dir"]) for stage, info in default_run["summary"]["stages"].items()}
-    files = {stage: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()) for stage, d in dirs.items()}
+    files = {stage: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != ".hashes.json")
+             for stage, d in dirs.items()}
+    assert all((d / ".hashes.json").is_file() for d in dirs.values())  # the hash memo (README: Integrity)
     assert files["prepare_data"] == ["eval.parquet", "manifest.json", "train.parquet"]
     assert files["prepare_model"] == ["config.json", "generation_config.json", "manifest.json", "model.safetensors",
                                       "modules.json", "tokenizer.json", "tokenizer_config.json"]
@@ -60,7 +62,8 @@ def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -
                                       "loss.jsonl", "manifest.json"]
     assert files["evaluate_adapter"] == ["manifest.json", "metrics.json", "samples.jsonl"]
     assert files["export_adapter"] == ["README.md", "adapter_config.json", "adapter_model.safetensors",
-                                       "manifest.json", "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+                                       "manifest.json", "published/README.md", "published/version.json",
+                                       "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_exported_adapter_loads_with_peft_and_changes_outputs(default_run: dict[str, Any]) -> None:

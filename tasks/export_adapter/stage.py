@@ -28,7 +28,7 @@ from prefect import task
 
 from tasks import artifacts, registry
 from tasks.caching import stage_task_options
-from tasks.config import ExportArgs
+from tasks.config import ExportArgs, RunConfig
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
@@ -155,9 +155,13 @@ def _copy_files(src: Path, dst: Path, names: list[str] | None = None) -> list[st
 
 
 def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, Any]:
-    return {**manifests["prepare_data"].params, **manifests["prepare_model"].params,
-            **manifests["train_adapter"].params, **manifests["evaluate_adapter"].params,
-            "export": args.model_dump()}
+    """The RunConfig sections that produced the adapter; `qlora-pipeline run --config` accepts the file as is."""
+    params = {**manifests["prepare_data"].params, **manifests["prepare_model"].params,
+              **manifests["train_adapter"].params, **manifests["evaluate_adapter"].params,
+              "export": args.model_dump(mode="json")}
+    # prepare_data's "tokenizer" entry repeats model.base_model/revision for its key: not a config section
+    return RunConfig.model_validate({k: v for k, v in params.items() if k in RunConfig.model_fields}).model_dump(
+        mode="json", exclude={"runs_dir"})
 
 
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,

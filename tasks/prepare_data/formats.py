@@ -8,6 +8,8 @@ prompt tokens and trained completion tokens is exact. Imports nothing heavy: it 
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,6 +49,8 @@ SYSTEM_SEPARATOR = "\n\n"
 
 Segments = list[tuple[str, bool]]  # (text, counts in the loss)
 RenderChat = Callable[[list[dict[str, str]], bool], str]  # (messages, add_generation_prompt) -> text
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # from JSON escapes like "\\ud800"
 
 
 def detect_format(columns: Iterable[str], requested: str) -> str:
@@ -101,7 +105,18 @@ def to_segments(record: dict[str, Any], fmt: str, completion_only: bool, render_
 
 
 def _text(value: Any) -> str:
-    return "" if value is None else str(value)
+    """A field as text: strings, and integers or finite numbers as written; anything else is a bad row."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        if _LONE_SURROGATE.search(value):
+            raise ValueError("a value holds a lone surrogate escape such as \\ud800, which is not Unicode text "
+                             "(fix or drop those escapes)")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"a value is {type(value).__name__ if not isinstance(value, float) else value}, not text "
+                         "(give prompts and responses as strings)")
+    return str(value)
 
 
 def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:

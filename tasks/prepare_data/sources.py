@@ -29,6 +29,8 @@ SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw:
 CHUNK_ROWS = 4096  # rows per chunk: one tokenizer call, one Parquet row group
 CHUNK_BYTES = 8 << 20  # and at most this many bytes, for long documents
 _SURROGATE = re.compile("[\udc80-\udcff]")  # what undecodable bytes become under errors="surrogateescape"
+# first bytes of files that are not text, whatever their name says
+_BINARY = {b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive", b"\x28\xb5\x2f\xfd": "zstd-compressed"}
 _REMOTE_HASHES: dict[tuple[str, str], str] = {}
 
 
@@ -88,9 +90,11 @@ def data_files(source: str) -> tuple[Any, list[str]]:
     url = source if "://" in source else str(Path(source).expanduser())
     try:
         fs, path = fsspec.core.url_to_fs(url)
-    except ImportError as exc:  # fsspec knows the protocol but its package is missing
+    except ImportError as exc:  # fsspec knows the protocol but a package it needs is missing
         protocol = source.split("://")[0]
-        package = known_implementations.get(protocol, {}).get("class", "").split(".")[0]
+        # the module that failed to import (aiohttp for https://), else the implementation's own package
+        package = (getattr(exc.__cause__, "name", None) or exc.name
+                   or known_implementations.get(protocol, {}).get("class", "").split(".")[0])
         raise UserError(f"data.source={source!r}: reading {protocol}:// needs the {package or protocol} package, "
                         f"which is not installed. Install it (pip install {package}) or copy the data to a "
                         "local file.") from exc
@@ -119,11 +123,36 @@ def _is_local_fs(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def check_allowed(args: DataArgs, paths: list[str] | None = None) -> None:
+    """With data.allowed_roots set, the source and every file read must lie inside one of them (links resolved).
+
+    Called before the source is looked at (nothing is said about files outside) and again on the files found.
+    """
+    roots = args.allowed_roots
+    if roots is None or is_hub(args.source):
+        return
+    if paths is None and "://" not in args.source:
+        static = args.source[:min((args.source.find(c) for c in "*?[" if c in args.source), default=None)]
+        paths = [static or "."]
+    if "://" in args.source:
+        outside = [] if any(args.source.startswith(r) for r in roots if "://" in r) else [args.source]
+    else:
+        folders = [Path(r).expanduser().resolve() for r in roots if "://" not in r]
+        outside = [p for p in paths or [] if not any(Path(p).expanduser().resolve().is_relative_to(f)
+                                                     for f in folders)]
+    if outside:
+        raise UserError(f"data.source={args.source!r} reads {', '.join(outside[:5])}"
+                        f"{' ...' if len(outside) > 5 else ''}, outside data.allowed_roots ({', '.join(roots)}). "
+                        "Put the data in one of those folders, or ask whoever runs the deployment to allow its place.")
+
+
 def fingerprint(args: DataArgs) -> str:
     """Content identity of the data: the bytes of every file read, or the resolved hub commit."""
     if is_hub(args.source):
         return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
+    check_allowed(args)
     fs, paths = data_files(args.source)
+    check_allowed(args, paths)
     if _is_local_fs(fs):
         if len(paths) == 1:
             return file_sha256(Path(paths[0]))
@@ -149,6 +178,7 @@ def read_chunks(args: DataArgs, problems: Problems) -> Iterator[RawChunk]:
         yield from _hub_chunks(args)
         return
     fs, paths = data_files(args.source)
+    check_allowed(args, paths)
     for path in paths:
         with fs.open(path, "rb") as f:
             if path.endswith(".csv"):
@@ -156,17 +186,25 @@ def read_chunks(args: DataArgs, problems: Problems) -> Iterator[RawChunk]:
             elif path.endswith(".parquet"):
                 yield from _arrow_chunks(_parquet_batches(f), path)
             elif path.endswith((".txt", ".raw")):
-                yield from _line_chunks(f, path, "text_lines")
+                yield from _line_chunks(f, path, "text_lines", problems)
             elif path.endswith(".json") and _starts_array(f):
                 yield from _json_array_chunks(f, path, problems)
             else:
-                yield from _line_chunks(f, path, "json_lines")
+                yield from _line_chunks(f, path, "json_lines", problems)
 
 
-def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"]) -> Iterator[RawChunk]:
+def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems
+                 ) -> Iterator[RawChunk]:
     rows: list[bytes] = []
     first = size = 0
     for number, line in enumerate(f, start=1):
+        if number == 1:
+            kind_of = next((what for magic, what in _BINARY.items() if line.startswith(magic)), None)
+            if kind_of:
+                problems.add(f"are not text: the file is {kind_of} (decompress or convert it to {Path(where).suffix} "
+                             "text first)", where, "line 1")
+                return
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as .csv and .json accept
         if not rows:
             first = number
         rows.append(line)

@@ -27,7 +27,7 @@ from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
-from tasks.prepare_data.sources import Problems, columns, fingerprint, read_chunks
+from tasks.prepare_data.sources import Problems, columns, decode, fingerprint, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
 from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
@@ -57,6 +57,9 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
         first = next(chunks, None)
         found = columns(first, args.column_mapping) if first else []
         if not found:
+            if first is not None:  # rows that are not records: say which lines and why, not "no rows"
+                for _ in decode(first, args.column_mapping, problems):
+                    pass
             problems.raise_if_any(args.source)
             raise UserError(f"data.source={args.source!r} holds no rows. Point it at a non-empty dataset.")
         fmt = detect_format(found, args.format)
@@ -73,6 +76,7 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
                 train.write(part, part.hashes >= cut)
                 evals.write(part, part.hashes < cut)
         problems.raise_if_any(args.source)
+        _check_snapshot(args, stage.spec.fingerprint["data"])
         metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
                    "chat_template": args.chat_template if fmt == "chat" else None,
                    "pack_examples": args.pack_examples, **report.metrics(train, evals)}
@@ -80,6 +84,15 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
         logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
         stage.finish(OUTPUTS, metrics)
         return str(stage.dir)
+
+
+def _check_snapshot(args: DataArgs, keyed: str) -> None:
+    """Fail when the data changed while it was read: the folder would hold rows its key does not cover."""
+    now = fingerprint(args)
+    if now != keyed:
+        raise UserError(f"data.source={args.source!r} changed while prepare_data was reading it (its bytes no longer "
+                        "match those the stage key was computed from), so nothing was written. Run again once the "
+                        "data is no longer being written.")
 
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:

@@ -1,0 +1,189 @@
+"""Every bad input fails before training with one paragraph that names the problem and its fix (issue 17).
+
+Data decoding, config bounds, models and hub ids, runs_dir, data.allowed_roots, a source changing while it is
+read. Stages run alone through .fn(); the CLI only where its exit code and stderr are the behaviour.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import EMBEDDED_DATA, EMBEDDED_MODEL, PROJECT_ROOT, DataArgs, ModelArgs, load_config
+from tasks.errors import UserError
+from tasks.prepare_data.stage import prepare_data
+
+
+def dolly(n: int, **override: Any) -> list[dict[str, Any]]:
+    return [{"instruction": f"Question {i}?", "response": f"Answer number {i}.", **override} for i in range(n)]
+
+
+def jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def fails(tmp_path: Path, source: Path | str, *fragments: str, model: ModelArgs | None = None, **data: Any) -> str:
+    """prepare_data raises a UserError holding every fragment and leaves no manifest."""
+    with pytest.raises(UserError) as info:
+        prepare_data.fn(DataArgs(source=str(source), **data), model or ModelArgs(), tmp_path / "runs")
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert "\n" not in message  # one paragraph
+    assert not list((tmp_path / "runs").glob("prepare_data/*/manifest.json"))
+    return message
+
+
+# ---- data decoding -------------------------------------------------------------------------------------------
+
+
+def test_utf8_bom_in_jsonl_is_accepted(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "bom.jsonl", dolly(12))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    out = prepare_data.fn(DataArgs(source=str(path), eval_fraction=0.3), ModelArgs(), tmp_path / "runs")
+    assert json.loads((Path(out) / "manifest.json").read_text())["metrics"]["rows_in"] == 12
+
+
+def test_lone_surrogates_and_values_that_are_not_text_are_listed_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(r) for r in dolly(6)]
+    lines[1] = '{"instruction": "Q?", "response": "bad \\ud800 escape"}'
+    lines[2] = json.dumps({"instruction": "Q?", "response": {"a": 1}})
+    lines[3] = json.dumps({"instruction": "Q?", "response": [1, 2]})
+    lines[4] = json.dumps({"instruction": "Q?", "response": True})
+    lines[5] = '{"instruction": "Q?", "response": NaN}'
+    path.write_text("\n".join(lines) + "\n")
+    message = fails(tmp_path, path, "lone surrogate", "line 2", "dict, not text", "line 3", "list, not text",
+                    "line 4", "bool, not text", "line 5", "nan, not text", "line 6")
+    assert "line 1" not in message
+
+
+def test_compressed_or_csv_content_named_jsonl_says_what_it_is(tmp_path: Path) -> None:
+    packed = tmp_path / "packed.jsonl"
+    packed.write_bytes(gzip.compress(jsonl(tmp_path / "plain.jsonl", dolly(5)).read_bytes()))
+    fails(tmp_path, packed, "gzip-compressed", "packed.jsonl line 1", "decompress")
+    csv_named_jsonl = tmp_path / "table.jsonl"
+    csv_named_jsonl.write_text("instruction,response\nQ?,A.\nQ2?,A2.\n")
+    message = fails(tmp_path, csv_named_jsonl, "not valid JSON", "line 1, line 2, line 3")
+    assert "holds no rows" not in message
+
+
+# ---- data sources ----------------------------------------------------------------------------------------------
+
+
+def test_allowed_roots_confine_the_source(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    inside = jsonl(allowed / "d.jsonl", dolly(12))
+    prepare_data.fn(DataArgs(source=str(inside), eval_fraction=0.3, allowed_roots=[str(allowed)]), ModelArgs(),
+                    tmp_path / "ok-runs")
+    fails(tmp_path, "/etc/hostname", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    link = allowed / "escape.jsonl"  # a link inside that points outside does not get out
+    link.symlink_to(jsonl(tmp_path / "outside.jsonl", dolly(12)))
+    fails(tmp_path, link, "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    fails(tmp_path, f"{allowed}/../outside.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    fails(tmp_path, "memory://x/d.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+
+
+def test_url_whose_filesystem_lacks_a_package_names_that_package(tmp_path: Path) -> None:
+    try:
+        import aiohttp  # noqa: F401
+
+        pytest.skip("aiohttp is installed")
+    except ImportError:
+        pass
+    message = fails(tmp_path, "https://example.com/d.jsonl", "needs the aiohttp package", "pip install aiohttp")
+    assert "fsspec package" not in message
+
+
+_APPENDER = """
+import sys, time
+path, stop = sys.argv[1], time.time() + float(sys.argv[2])
+while time.time() < stop:
+    with open(path, "a") as f:
+        f.write('{"instruction": "More?", "response": "Appended at %f."}\\n' % time.time())
+    time.sleep(0.005)
+"""
+
+
+def test_data_appended_while_it_is_read_fails_and_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "growing.jsonl"
+    path.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:400]))
+    writer = subprocess.Popen([sys.executable, "-c", _APPENDER, str(path), "60"])
+    try:
+        size = path.stat().st_size
+        while path.stat().st_size == size:
+            time.sleep(0.01)
+        fails(tmp_path, path, "changed while prepare_data was reading it", "nothing was written")
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+# ---- models and hub ids ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["broken_config", "no_model_type", "no_weights"])
+def test_broken_model_folder_fails_before_reading_data(tmp_path: Path, damage: str) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(EMBEDDED_MODEL, model)
+    if damage == "broken_config":
+        (model / "config.json").write_text('{"model_type": "llama", ')
+        expected = "config.json cannot be read as JSON"
+    elif damage == "no_model_type":
+        (model / "config.json").write_text("{}")
+        expected = "config.json has no model_type"
+    else:
+        for weights in model.glob("*.safetensors"):
+            weights.unlink()
+        expected = "has no weights"
+    fails(tmp_path, jsonl(tmp_path / "d.jsonl", dolly(12)), expected, model=ModelArgs(base_model=str(model)))
+
+
+def test_max_seq_length_beyond_the_models_positions(tmp_path: Path) -> None:
+    positions = json.loads((EMBEDDED_MODEL / "config.json").read_text())["max_position_embeddings"]
+    fails(tmp_path, jsonl(tmp_path / "d.jsonl", dolly(12)), f"more than the {positions} positions",
+          max_seq_length=positions + 1)
+
+
+@pytest.mark.parametrize("offline", ["1", "0"])
+def test_hub_ids_that_cannot_be_resolved_fail_fast_without_retries(tmp_path: Path, offline: str) -> None:
+    """No network here: online mode cannot connect, offline mode has no cache entry; both fail at once."""
+    code = ("from tasks.runtime import resolve_hub_revision\n"
+            "resolve_hub_revision('nobody/no-such-model-xyz', None)")
+    env = {**os.environ, "HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf")}
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert time.time() - started < 30
+    assert "UserError: model.base_model='nobody/no-such-model-xyz'" in done.stderr
+    assert ("HF_HUB_OFFLINE=1 and the model is not in the local hub cache" if offline == "1"
+            else "set HF_HUB_OFFLINE=1") in done.stderr
+
+
+# ---- config bounds (the CLI's own message path) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("override", "fragment"), [
+    ("train.max_steps=0", "0 steps would train nothing"),
+    ("data.eval_fraction=0", "data.eval_fraction: Input should be greater than 0"),
+    ("data.max_seq_length=1000000000000", "data.max_seq_length: Input should be less than or equal to"),
+    ("export.name=..", "export.name: Value error, must be one folder name"),
+    ("export.name=.", "must be one folder name"),
+    ("export.name=a/b", "must be one folder name"),
+])
+def test_config_bounds(override: str, fragment: str) -> None:
+    from deployments.cli import _config_message
+
+    with pytest.raises(Exception) as info:  # noqa: PT011 - pydantic's ValidationError, read by the CLI
+        load_config(None, [override])
+    assert fragment in _config_message(info.value)

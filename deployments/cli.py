@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 USER_ERROR_EXIT = 2
+EPHEMERAL_STARTUP_S = 120
+_SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `qlora-pipeline` command."""
     # no network here or on most workers: a temporary server must not try to phone home
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's temporary server gets 20 s to start by default; several runs starting at once on a busy 2-core
+    # machine need longer (they died at 20 s: "Timed out while attempting to connect to ephemeral ...")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_S))
     args = _parser().parse_args(argv)
     if args.command in ("setup", "deploy"):
         return _setup(args)
@@ -134,19 +139,42 @@ def _run(config: Any, as_json: bool) -> int:
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
+    from tasks.manifest import check_runs_dir
 
     _quiet_user_errors()
     if uses_server():
         ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
-        summary = qlora_pipeline(config=config)
+        check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
+        summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
+    except RuntimeError as exc:
+        if _SERVER_TIMEOUT not in str(exc):
+            raise
+        limit = os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
+        print("\n" + textwrap.fill(
+            f"error: Prefect's temporary API server did not start within {limit} s, twice (a busy machine, or many "
+            "runs starting at once); the pipeline did not run. Raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, "
+            "or start one server (prefect server start) and point every run at it with PREFECT_API_URL.", width=100),
+            file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(summary))
     else:
         _print_summary(summary)
     return 0
+
+
+def _start(flow: Any, config: Any) -> Any:
+    """Run the flow; if Prefect's temporary server timed out starting, say so and try once more."""
+    try:
+        return flow(config=config)
+    except RuntimeError as exc:
+        if _SERVER_TIMEOUT not in str(exc):
+            raise
+        print("Prefect's temporary API server did not start in time; trying once more", file=sys.stderr)
+        return flow(config=config)
 
 
 def _user_error(message: str) -> int:

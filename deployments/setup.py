@@ -55,8 +55,10 @@ def apply_automations(notify_url: str) -> str:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.events.schemas.automations import AutomationCore
 
+    # the whole URL is a secret (credentials may sit in its user part, path or query): the plain url field only
+    # names it, and Prefect masks the secrets field in the API, the UI and events
     block = CustomWebhookNotificationBlock(
-        name=NOTIFY_BLOCK, url=notify_url, method="POST",
+        name=NOTIFY_BLOCK, url="{{notify_url}}", method="POST", secrets={"notify_url": notify_url},
         json_data={"subject": "{{subject}}", "body": "{{body}}"},
     )
     block_id = block.save(NOTIFY_BLOCK, overwrite=True)
@@ -69,7 +71,16 @@ def apply_automations(notify_url: str) -> str:
                 client.delete_automation(old.id)
             client.create_automation(automation)
             done.append(automation.name)
-    return f"automation(s) {', '.join(done)} notify {notify_url}"
+    return f"automation(s) {', '.join(done)} notify {redact(notify_url)} (the URL is kept in the block's secrets)"
+
+
+def redact(url: str) -> str:
+    """The URL's scheme and host only, for messages: its user part, path and query may hold credentials."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}/***"
 
 
 def deploy() -> int:

@@ -187,3 +187,25 @@ def test_config_bounds(override: str, fragment: str) -> None:
     with pytest.raises(Exception) as info:  # noqa: PT011 - pydantic's ValidationError, read by the CLI
         load_config(None, [override])
     assert fragment in _config_message(info.value)
+
+
+# ---- secrets ---------------------------------------------------------------------------------------------------
+
+
+def test_notify_url_with_credentials_is_kept_secret(prefect_env: Path) -> None:
+    from prefect import get_client
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    from deployments.setup import NOTIFY_BLOCK, apply_automations
+
+    url = "https://alerts:s3cret-pass@hooks.example.com/services/T0/B0/tok3n?key=k3y"
+    said = apply_automations(url)
+    assert "hooks.example.com" in said
+    assert not any(secret in said for secret in ("s3cret-pass", "tok3n", "k3y", "alerts"))
+    block = CustomWebhookNotificationBlock.load(NOTIFY_BLOCK)
+    assert block.url == "{{notify_url}}"  # the plain field only names the secret
+    assert block._build_request_args("body", "subject")["url"] == url  # delivery still gets the real URL
+    with get_client(sync_client=True) as client:
+        stored = client.read_block_document_by_name(NOTIFY_BLOCK, block_type_slug="custom-webhook",
+                                                    include_secrets=False)
+    assert "s3cret-pass" not in json.dumps(stored.data, default=str)

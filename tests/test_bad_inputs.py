@@ -209,3 +209,56 @@ def test_notify_url_with_credentials_is_kept_secret(prefect_env: Path) -> None:
         stored = client.read_block_document_by_name(NOTIFY_BLOCK, block_type_slug="custom-webhook",
                                                     include_secrets=False)
     assert "s3cret-pass" not in json.dumps(stored.data, default=str)
+
+
+# ---- the CLI: exit 2, one paragraph, no traceback ----------------------------------------------------------------
+
+
+def _cli(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    from tests.conftest import cli_env
+
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, env={**cli_env(tmp_path / "prefect-home"), **env}, timeout=300)
+    done.stderr = " ".join(done.stderr.split())  # the CLI wraps its message at 100 columns
+    return done
+
+
+def test_runs_dir_that_is_a_file_fails_at_once(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.write_text("not a folder")
+    for runs_dir in (runs, runs / "below"):
+        done = _cli(["run", "--set", f"runs_dir={runs_dir}"], tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert "cannot be used: it, or a folder above it, is a file" in done.stderr
+        assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_runs_dir_fails_at_once(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runs.chmod(0o500)
+    try:
+        done = _cli(["run", "--set", f"runs_dir={runs}"], tmp_path)
+    finally:
+        runs.chmod(0o700)
+    assert done.returncode == 2 and "Permission denied" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_server_that_does_not_start_in_time_gets_longer_and_one_retry() -> None:
+    """A real timeout leaves Prefect's half-started server behind, so the retry is checked on a stand-in flow."""
+    from deployments import cli
+
+    calls: list[int] = []
+
+    def slow_server_once(config: Any) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(cli._SERVER_TIMEOUT + ".")
+        return "summary"
+
+    assert cli._start(slow_server_once, None) == "summary" and len(calls) == 2
+    env = subprocess.run([sys.executable, "-c", "import os; from deployments import cli; cli.main(['presets']); "
+                          "print(os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS'])"],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    assert env.stdout.split()[-1] == str(cli.EPHEMERAL_STARTUP_S) and cli.EPHEMERAL_STARTUP_S >= 60

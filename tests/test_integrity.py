@@ -37,7 +37,7 @@ EVAL = EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=4, per_devic
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs = tmp_path_factory.mktemp("runs")
     data = tmp_path_factory.mktemp("data") / "d.jsonl"
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:120]))
@@ -57,48 +57,53 @@ def _flip_a_byte(path: Path, at: int = -20) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_manifests_record_a_hash_of_every_output(stages: dict[str, Any]) -> None:
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_manifests_record_a_hash_of_every_output(built: dict[str, Any]) -> None:
     for stage in ("data", "model", "adapter", "eval", "export"):
-        manifest = read_manifest(Path(stages[stage]))
+        manifest = read_manifest(Path(built[stage]))
         assert manifest is not None and set(manifest.hashes) == set(manifest.outputs), stage
         assert all(len(h) == 64 for h in manifest.hashes.values())
 
 
-def test_same_size_damage_is_recomputed_with_one_warning(stages: dict[str, Any],
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_same_size_damage_is_recomputed_with_one_warning(built: dict[str, Any],
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    folder = Path(stages["data"])
+    folder = Path(built["data"])
     before = (folder / "eval.parquet").read_bytes()
     _flip_a_byte(folder / "eval.parquet")
     assert check_stage(folder) == (None, "eval.parquet is damaged (its sha256 differs from the one recorded)")
     with caplog.at_level(logging.WARNING):
-        again = prepare_data.fn(DataArgs(source=str(stages["source"])), ModelArgs(), stages["runs"])
-    assert again == stages["data"] and (folder / "eval.parquet").read_bytes() == before
+        again = prepare_data.fn(DataArgs(source=str(built["source"])), ModelArgs(), built["runs"])
+    assert again == built["data"] and (folder / "eval.parquet").read_bytes() == before
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "recomputing" in warnings[0] and "eval.parquet is damaged" in warnings[0]
 
 
-def test_damaged_adapter_is_never_used(stages: dict[str, Any]) -> None:
-    folder = Path(stages["adapter"])
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_damaged_adapter_is_never_used(built: dict[str, Any]) -> None:
+    folder = Path(built["adapter"])
     _flip_a_byte(folder / "adapter" / "adapter_model.safetensors", at=-8)
     assert check_stage(folder)[1].startswith("adapter/adapter_model.safetensors is damaged")
-    # downstream stages refuse it too: their keys need an intact upstream
+    # downstream built refuse it too: their keys need an intact upstream
     assert read_manifest(folder) is None
-    assert train_adapter.fn(LORA, TRAIN, SpeedArgs(), stages["runs"], stages["data"], stages["model"]) == str(folder)
+    assert train_adapter.fn(LORA, TRAIN, SpeedArgs(), built["runs"], built["data"], built["model"]) == str(folder)
     assert read_manifest(folder) is not None
 
 
-def test_a_manifest_that_lists_fewer_outputs_does_not_vouch_for_the_stage(stages: dict[str, Any]) -> None:
-    folder = Path(stages["eval"])
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_a_manifest_that_lists_fewer_outputs_does_not_vouch_for_the_stage(built: dict[str, Any]) -> None:
+    folder = Path(built["eval"])
     manifest = json.loads((folder / MANIFEST).read_text())
     (folder / MANIFEST).write_text(json.dumps({**manifest, "outputs": {}, "hashes": {}}))
     (folder / "metrics.json").unlink()
     assert check_stage(folder) == (None, "manifest.json does not list metrics.json, samples.jsonl")
-    evaluate_adapter.fn(EVAL, stages["runs"], stages["data"], stages["model"], stages["adapter"])
+    evaluate_adapter.fn(EVAL, built["runs"], built["data"], built["model"], built["adapter"])
     assert read_manifest(folder) is not None and (folder / "metrics.json").is_file()
 
 
-def test_hashes_are_memoised_per_file_identity(stages: dict[str, Any]) -> None:
-    folder = Path(stages["model"])
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_hashes_are_memoised_per_file_identity(built: dict[str, Any]) -> None:
+    folder = Path(built["model"])
     memo = json.loads((folder / HASH_MEMO).read_text())
     size, mtime_ns, inode, digest = memo["modules.json"]
     st = (folder / "modules.json").stat()
@@ -140,17 +145,18 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, da
     assert any("skipping checkpoint-4" in r.getMessage() for r in caplog.records)
 
 
-def test_registry_restores_a_deleted_version_and_champion(stages: dict[str, Any]) -> None:
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_registry_restores_a_deleted_version_and_champion(built: dict[str, Any]) -> None:
     import shutil
 
-    root = registry.registry_dir(stages["runs"], "adapter")
-    version = read_manifest(Path(stages["export"])).metrics.export_version
+    root = registry.registry_dir(built["runs"], "adapter")
+    version = read_manifest(Path(built["export"])).metrics.export_version
     files = sorted(p.name for p in (root / version).iterdir())
     shutil.rmtree(root / version)
     (root / registry.CHAMPION).unlink()
     assert registry.current(root)["champion_version"] is None
     # a reused export stage repairs the registry
-    export_adapter.fn(ExportArgs(), stages["runs"], stages["data"], stages["model"], stages["adapter"], stages["eval"])
+    export_adapter.fn(ExportArgs(), built["runs"], built["data"], built["model"], built["adapter"], built["eval"])
     assert sorted(p.name for p in (root / version).iterdir()) == files
     assert registry.current(root)["champion_version"] == version
     # so does the run record (a stage Prefect reports as Cached never runs its body)
@@ -158,13 +164,14 @@ def test_registry_restores_a_deleted_version_and_champion(stages: dict[str, Any]
 
     (root / registry.CHAMPION).unlink()
     shutil.rmtree(root / version)
-    now = registry_now(load_config(None, [f"runs_dir={stages['runs']}"]), Path(stages["export"]))
+    now = registry_now(load_config(None, [f"runs_dir={built['runs']}"]), Path(built["export"]))
     assert now["champion_version"] == version and (root / version / registry.VERSION_FILE).is_file()
 
 
-def test_exported_run_config_round_trips_through_the_cli_loader(stages: dict[str, Any]) -> None:
-    path = Path(stages["export"]) / "run_config.yaml"
+@pytest.mark.slow  # shares the module's five stages, built once (~40 s)
+def test_exported_run_config_round_trips_through_the_cli_loader(built: dict[str, Any]) -> None:
+    path = Path(built["export"]) / "run_config.yaml"
     config = load_config(path)
     saved = yaml.safe_load(path.read_text())
     assert config.model_dump(mode="json", exclude={"runs_dir"}) == saved
-    assert config.data.source == str(stages["source"]) and config.lora.r == 4
+    assert config.data.source == str(built["source"]) and config.lora.r == 4

@@ -23,7 +23,7 @@ def is_local(source: str) -> bool:
     return Path(source).expanduser().exists() or source.startswith(("/", ".", "~")) or "\\" in source
 
 
-def _check_local_model(source: str) -> Path:
+def _check_local_model(source: str, weights: bool = True) -> Path:
     path = Path(source).expanduser()
     fix = "Give a folder written by save_pretrained, or a Hugging Face hub id such as meta-llama/Llama-3.1-8B."
     if not (path / "config.json").is_file():
@@ -36,7 +36,7 @@ def _check_local_model(source: str) -> Path:
     if not isinstance(config, dict) or "model_type" not in config:
         raise UserError(f"model.base_model={source!r}: its config.json has no model_type, so transformers cannot "
                         f"tell the architecture. Restore the file or download the model again. {fix}")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    if weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"model.base_model={source!r} has no weights (no *.safetensors or *.bin files beside "
                         f"config.json). Copy the weight files there or download the model again. {fix}")
     return path.resolve()
@@ -89,16 +89,16 @@ def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str = "m
 def model_fingerprint(source: str, revision: str | None, only: tuple[str, ...] | None = None) -> dict[str, str]:
     """Content identity of a base model: its files' bytes, or the resolved hub commit."""
     if is_local(source):
-        path = _check_local_model(source)
+        path = _check_local_model(source, weights=only is None)  # a tokenizer alone needs no weights
         files = [p for p in path.iterdir() if p.is_file() and (only is None or p.name in only)]
         return {"files_sha256": files_fingerprint(files)}
     return {"hub_repo": source, "hub_commit": resolve_hub_revision(source, revision)}
 
 
-def model_path(source: str, revision: str | None) -> Path:
+def model_path(source: str, revision: str | None, weights: bool = True) -> Path:
     """A local folder with the model's files, downloading a hub model at its resolved commit."""
     if is_local(source):
-        return _check_local_model(source)
+        return _check_local_model(source, weights)
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(source, revision=resolve_hub_revision(source, revision)))

@@ -134,7 +134,7 @@ def test_data_appended_while_it_is_read_fails_and_writes_nothing(tmp_path: Path)
 
 
 @pytest.mark.parametrize("damage", ["broken_config", "no_model_type", "no_weights"])
-def test_broken_model_folder_fails_before_reading_data(tmp_path: Path, damage: str) -> None:
+def test_broken_model_folder_fails_with_the_fix(tmp_path: Path, damage: str) -> None:
     model = tmp_path / "model"
     shutil.copytree(EMBEDDED_MODEL, model)
     if damage == "broken_config":
@@ -147,7 +147,15 @@ def test_broken_model_folder_fails_before_reading_data(tmp_path: Path, damage: s
         for weights in model.glob("*.safetensors"):
             weights.unlink()
         expected = "has no weights"
-    fails(tmp_path, jsonl(tmp_path / "d.jsonl", dolly(12)), expected, model=ModelArgs(base_model=str(model)))
+    if damage != "no_weights":
+        fails(tmp_path, jsonl(tmp_path / "d.jsonl", dolly(12)), expected, model=ModelArgs(base_model=str(model)))
+        return
+    # prepare_data reads the tokenizer only (a tokenizer-only folder serves it); prepare_model fails before loading
+    from tasks.prepare_model.stage import prepare_model
+
+    with pytest.raises(UserError, match=expected):
+        prepare_model.fn(ModelArgs(base_model=str(model)), tmp_path / "runs")
+    assert not list((tmp_path / "runs").glob("prepare_model/*/manifest.json"))
 
 
 def test_max_seq_length_beyond_the_models_positions(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ def run(tmp_path: Path, source: Path | str, model: ModelArgs | None = None, **da
     folder = Path(prepare_data.fn(DataArgs(source=str(source), **data), model or ModelArgs(), tmp_path / "runs"))
     manifest = read_manifest(folder)
     assert manifest is not None
-    assert sorted(p.name for p in folder.iterdir()) == ["eval.parquet", "manifest.json", "train.parquet"]
+    assert sorted(p.name for p in folder.iterdir()) == [".hashes.json", "eval.parquet", "manifest.json",
+                                                         "train.parquet"]
     return {**manifest.model_dump(), "dir": folder, "train": pq.read_table(folder / "train.parquet").to_pylist(),
             "eval": pq.read_table(folder / "eval.parquet").to_pylist()}
 

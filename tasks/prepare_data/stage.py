@@ -96,7 +96,7 @@ def _check_snapshot(args: DataArgs, keyed: str) -> None:
 
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
-    tokenizer_dir = model_path(model.base_model, model.revision)
+    tokenizer_dir = model_path(model.base_model, model.revision, weights=False)  # the tokenizer is enough
     positions = max_positions(tokenizer_dir)
     if positions is not None and args.max_seq_length > positions:
         raise UserError(f"data.max_seq_length={args.max_seq_length} is more than the {positions} positions "

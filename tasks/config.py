@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
+EMBEDDED_PREFERENCES = PROJECT_ROOT / "data" / "sample" / "preferences.jsonl"
 EMBEDDED_MODEL = PROJECT_ROOT / "data" / "tiny-llama"
 PRESETS_DIR = PROJECT_ROOT / "data" / "presets"
 
@@ -35,7 +36,8 @@ class DataArgs(_Section):
     name: str | None = Field(None, description="Hub dataset config name (e.g. wikitext-2-raw-v1).")
     split: str = Field("train", description="Hub split, with slicing: 'train', 'train[:1000]'.")
     revision: str | None = Field(None, description="Hub dataset revision; None = the default branch.")
-    format: Literal["auto", "dolly", "alpaca", "prompt_completion", "chat", "text"] = Field(
+    format: Literal["auto", "preference", "unpaired_preference", "dolly", "alpaca", "prompt_completion", "chat",
+                    "text"] = Field(
         "auto", description="Record format; 'auto' detects it from the column names (README: Data formats)."
     )
     column_mapping: dict[str, str] = Field(
@@ -113,8 +115,47 @@ class LoraArgs(_Section):
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
 
 
+# DPO's and KTO's losses as TRL names them (DPOConfig.loss_type, KTOConfig.loss_type)
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+# TrainArgs fields that are the pipeline's, not TrainingArguments'/DPOConfig's/KTOConfig's keywords
+PIPELINE_TRAIN_FIELDS = ("method", "init_adapter")
+PREFERENCE_TRAIN_FIELDS = ("beta", "loss_type")  # DPOConfig/KTOConfig keywords; not TrainingArguments'
+
+
 class TrainArgs(_Section):
-    """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter)."""
+    """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter), and for preference
+    tuning (method dpo or kto) TRL's DPOConfig/KTOConfig fields of the same names.
+
+    Why flat and not a nested `preference` section: DPOConfig and KTOConfig subclass TrainingArguments, so for a
+    preference run this whole section (less `method` and `init_adapter`) still hands over as one
+    `**model_dump()`; SFT drops the TRL-only fields (PREFERENCE_TRAIN_FIELDS). One section also keeps the UI form
+    and the train_adapter cache key as they were, and `train.method: dpo` reads as the issue writes it.
+    TRL 1.16 has no max_prompt_length / max_completion_length (only max_length, truncating prompt + completion
+    from the end): data.max_seq_length plays that part at prepare_data time, where prompt-filling pairs are
+    dropped and counted.
+    """
+
+    method: Literal["sft", "dpo", "kto"] = Field(
+        "sft", description="sft: supervised fine-tuning on instruction/chat/text data. dpo: Direct Preference "
+        "Optimization on preference pairs (data format preference). kto: Kahneman-Tversky Optimization on "
+        "unpaired thumbs-up/down answers (format unpaired_preference; pairs are split into one of each). Both "
+        "through TRL, the reference model being the 4-bit base with the adapter turned off (or the init_adapter).",
+    )
+    init_adapter: str | None = Field(
+        None, description="Start from an exported adapter instead of a fresh LoRA: a folder with "
+        "adapter_config.json (e.g. runs/exports/adapter/v0003), 'champion' (the champion of export.name's "
+        "registry) or 'champion:NAME' (of registry NAME). Its files are part of the cache key. Its own LoRA "
+        "settings replace the lora section. For dpo/kto it is also the reference model.",
+    )
+    beta: float = Field(
+        0.1, gt=0, description="dpo/kto (TRL's beta): how far the tuned model may move from the reference; higher "
+        "stays closer.",
+    )
+    loss_type: Literal[DPO_LOSSES + KTO_LOSSES] | None = Field(  # type: ignore[valid-type]
+        None, description="dpo/kto (TRL's loss_type): None = TRL's default, sigmoid for dpo, kto for kto. dpo takes "
+        f"{', '.join(DPO_LOSSES)}; kto takes {', '.join(KTO_LOSSES)}.",
+    )
 
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps (1 or more); -1 = train by num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
@@ -238,7 +279,9 @@ class ExportArgs(_Section):
     )
     promotion_margin: float = Field(
         0.01, ge=0.0, lt=1.0, description="Promote a new version to champion only if its tuned eval loss is below "
-        "the champion's by more than this fraction (0.01: more than 1% lower); otherwise keep it as rejected.",
+        "the champion's by more than this fraction (0.01: more than 1% lower); for preference runs (dpo, kto) only "
+        "if its tuned reward accuracy is above the champion's by more than this (0.01: one point); otherwise keep "
+        "it as rejected.",
     )
     merge: bool = Field(
         False, description="Also write merged/: the 4-bit base dequantized, the adapter merged in, saved as "
@@ -275,6 +318,24 @@ class RunConfig(_Section):
     def _check_target_modules(self) -> RunConfig:
         if not self.lora.target_modules:
             raise ValueError("lora.target_modules is empty: name at least one module, e.g. q_proj")
+        return self
+
+    @model_validator(mode="after")
+    def _check_preference(self) -> RunConfig:
+        method, loss = self.train.method, self.train.loss_type
+        allowed = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(method, ())
+        if loss is not None and loss not in allowed:
+            raise ValueError(f"train.loss_type={loss} does not go with train.method={method}: "
+                             + (f"use one of {', '.join(allowed)}, or null for TRL's default" if allowed
+                                else "loss_type is for dpo and kto only; set it to null"))
+        if method != "sft" and self.data.format not in ("auto", "preference", "unpaired_preference"):
+            raise ValueError(f"train.method={method} trains on preference data, but data.format is "
+                             f"{self.data.format}; set data.format to preference, unpaired_preference or auto")
+        if method == "kto" and self.train.per_device_train_batch_size < 2:
+            raise ValueError("train.method=kto estimates its KL term from the other answers of a micro-batch: "
+                             "set train.per_device_train_batch_size to 2 or more")
+        if self.train.init_adapter == "champion":  # the champion of this run's own registry
+            self.train.init_adapter = f"champion:{self.export.name}"
         return self
 
     @model_validator(mode="after")

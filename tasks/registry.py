@@ -56,7 +56,10 @@ def versions(root: Path) -> list[dict[str, Any]]:
 
 
 def gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float, eval_data: str) -> tuple[str, str]:
-    """('promoted' | 'rejected', reason): promoted when the tuned eval loss beats the champion's by the margin."""
+    """('promoted' | 'rejected', reason): promoted when the tuned eval loss beats the champion's by the margin;
+    for preference runs (their metrics have a tuned reward accuracy) when the reward accuracy does."""
+    if metrics.get("tuned_reward_accuracy") is not None:
+        return _preference_gate(metrics, current, margin, eval_data)
     loss = metrics["tuned_eval_loss"]
     if current is None:
         return "promoted", f"first version: no champion yet (tuned eval loss {loss:.4f})"
@@ -69,6 +72,25 @@ def gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float,
                             f"than the {margin:.1%} margin (needed < {needed:.4f}){note}")
     return "rejected", (f"tuned eval loss {loss:.4f} does not beat champion {current['version']}'s {best:.4f} by "
                         f"more than the {margin:.1%} margin (needed < {needed:.4f}){note}")
+
+
+def _preference_gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float, eval_data: str
+                     ) -> tuple[str, str]:
+    """Preference runs: the share of held-out pairs the adapter prefers the right way must beat the champion's by
+    more than `margin` (absolute: 0.01 is one point). The eval loss of a DPO/KTO adapter measures something it
+    was not trained for, so it does not decide."""
+    accuracy = metrics["tuned_reward_accuracy"]
+    if current is None:
+        return "promoted", f"first version: no champion yet (tuned reward accuracy {accuracy:.3f})"
+    best = current["metrics"].get("tuned_reward_accuracy")
+    if best is None:
+        return "promoted", (f"tuned reward accuracy {accuracy:.3f}; champion {current['version']} was not a "
+                            "preference run (no reward accuracy to beat)")
+    note = "" if current.get("eval_data") == eval_data else " (the champion was evaluated on other eval data)"
+    verb = "beats" if accuracy > best + margin else "does not beat"  # a NaN accuracy is never above
+    return ("promoted" if verb == "beats" else "rejected"), (
+        f"tuned reward accuracy {accuracy:.3f} {verb} champion {current['version']}'s {best:.3f} by more than the "
+        f"{margin:.2f} margin (needed > {best + margin:.3f}){note}")
 
 
 def publish(root: Path, source: Path, stage_key: str, metrics: dict[str, Any], margin: float, eval_data: str,

@@ -17,6 +17,9 @@ from tasks.errors import UserError
 
 # format -> (required columns, optional column)
 FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    # preference data (train.method dpo/kto) has its own tokenization: tasks/prepare_data/preference.py
+    "preference": (("prompt", "chosen", "rejected"), None),
+    "unpaired_preference": (("prompt", "completion", "label"), None),
     "dolly": (("instruction", "response"), "context"),
     "alpaca": (("instruction", "output"), "input"),
     "prompt_completion": (("prompt", "completion"), None),

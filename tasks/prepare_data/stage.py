@@ -26,6 +26,7 @@ from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
+from tasks.prepare_data import preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, columns, decode, fingerprint, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
@@ -63,6 +64,15 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
             problems.raise_if_any(args.source)
             raise UserError(f"data.source={args.source!r} holds no rows. Point it at a non-empty dataset.")
         fmt = detect_format(found, args.format)
+        if fmt in preference.PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
+            tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
+            metrics = preference.write(args, tokenizer, fmt, itertools.chain([first], chunks), problems, stage.dir,
+                                       VERSION)
+            problems.raise_if_any(args.source)
+            _check(args, fmt, metrics)
+            logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
+            stage.finish(OUTPUTS, metrics)
+            return str(stage.dir)
         settings = _settings(args, model, fmt)
         logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
                       "completion-only" if settings.completion_only else "full-text", settings.max_len)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.config import SpeedArgs, TrainArgs
+from tasks.config import PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
@@ -43,7 +43,7 @@ class MicroBatches:
 
 def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
     """TrainArgs as TrainingArguments keywords, checkpointing left to enable_checkpointing."""
-    settings = train.model_dump()
+    settings = train.model_dump(exclude={*PIPELINE_TRAIN_FIELDS, *PREFERENCE_TRAIN_FIELDS})
     settings["gradient_checkpointing"] = False  # the Trainer would replace our checkpoint function with its own
     if speed.packing:
         settings["per_device_train_batch_size"] = 1  # one pack per micro-batch; its size is set in tokens

@@ -48,6 +48,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")  # prepare_data formats for train.method dpo / kto
+
+
 class _Metrics(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -103,6 +106,7 @@ class TrainMetrics(_Metrics):
     gradient_accumulation_steps: int
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
+    method: Literal["sft", "dpo", "kto"] = "sft"
 
 
 class EvalMetrics(_Metrics):
@@ -122,6 +126,20 @@ class EvalMetrics(_Metrics):
     generation_samples: int
     max_new_tokens: int
     lm_eval: str | None = None
+    # preference data (train.method dpo/kto; README: Preference tuning). reward = log p(answer) - log p_base(answer),
+    # summed over the answer's tokens; accuracy = share of held-out pairs with reward(chosen) > reward(rejected)
+    # (ties count half, so the base model scores 0.5); margin = mean reward(chosen) - reward(rejected)
+    eval_pairs: int | None = None
+    base_reward_accuracy: float | None = None
+    tuned_reward_accuracy: float | None = None
+    base_reward_margin: float | None = None
+    tuned_reward_margin: float | None = None
+    base_chosen_logps: float | None = None
+    tuned_chosen_logps: float | None = None
+    base_rejected_logps: float | None = None
+    tuned_rejected_logps: float | None = None
+    base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
+    tuned_preference_accuracy: float | None = None
 
 
 class ExportMetrics(_Metrics):

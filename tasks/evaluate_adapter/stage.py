@@ -28,10 +28,11 @@ from tasks import artifacts
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
+from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
-from tasks.manifest import DataMetrics, StageSpec, open_stage, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest
 from tasks.runtime import load_quantized, load_tokenizer
 
 VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
@@ -53,6 +54,19 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
             return str(stage.dir)
         from peft import PeftModel
 
+        data = read_manifest(Path(data_dir))
+        if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
+            metrics, refs, prompts, base, tuned = preference.evaluate(args, Path(data_dir), Path(model_dir),
+                                                                      Path(adapter_dir))
+            tokenizer = load_tokenizer(Path(model_dir))
+            samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs,
+                               base["answers"], tuned["answers"])
+            outputs = _write(stage.dir, metrics, samples, base, tuned, False)
+            logger().info("evaluate_adapter: %s", json.dumps(metrics))
+            artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the "
+                            "base model and by base + adapter, scored against the chosen answer")
+            stage.finish(outputs, metrics)
+            return str(stage.dir)
         examples = ParquetExamples(Path(data_dir) / "eval.parquet")
         count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
         if count == 0:

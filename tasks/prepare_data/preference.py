@@ -24,7 +24,6 @@ from tasks.config import DataArgs
 from tasks.prepare_data.formats import CHAT_TEMPLATES
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 
-PREFERENCE_FORMATS = ("preference", "unpaired_preference")
 ANSWERS = {"preference": ("chosen", "rejected"), "unpaired_preference": ("completion",)}
 _LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0": False, 1: True, 0: False}
 

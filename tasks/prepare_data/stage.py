@@ -25,7 +25,7 @@ from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage
+from tasks.manifest import PREFERENCE_FORMATS, StageSpec, open_stage
 from tasks.prepare_data import preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, columns, decode, fingerprint, read_chunks
@@ -64,7 +64,7 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
             problems.raise_if_any(args.source)
             raise UserError(f"data.source={args.source!r} holds no rows. Point it at a non-empty dataset.")
         fmt = detect_format(found, args.format)
-        if fmt in preference.PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
+        if fmt in PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
             tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
             metrics = preference.write(args, tokenizer, fmt, itertools.chain([first], chunks), problems, stage.dir,
                                        VERSION)

@@ -21,6 +21,10 @@ from tasks.train_adapter.parallel import fsdp_settings, save_sharded_adapter
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
                  ) -> dict[str, Any]:
     """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
+    if train.method != "sft":  # DPO / KTO through TRL
+        from tasks.train_adapter import preference
+
+        return preference.fit_and_save(lora, train, speed, data_dir, model_dir, out)
     examples = ParquetExamples(Path(data_dir) / "train.parquet")
     model, trainer, result, used = _fit_with_backoff(lora, train, speed, examples, out, Path(model_dir))
     throughput = progress(trainer).summary()  # every rank takes part: the figures are gathered over all
@@ -98,6 +102,11 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedA
     applied = plan.prepare_base(model, speed)
     logger().info("train_adapter: %s", ", ".join(applied) or "no speed levers apply on this device")
     set_seed(train.seed)  # LoRA's A matrices are drawn here
+    if train.init_adapter:  # an exported adapter, with its own LoRA settings
+        from peft import PeftModel
+
+        logger().info("train_adapter: starting from %s (its own LoRA settings)", train.init_adapter)
+        return plan.prepare_peft(PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True), speed)
     return plan.prepare_peft(get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())), speed)
 
 

@@ -20,7 +20,9 @@ from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.limits import gpu_slot
-from tasks.manifest import StageSpec, open_stage, read_manifest
+from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
+from tasks.exports import resolve_adapter
+from tasks.manifest import StageSpec, files_fingerprint, open_stage, read_manifest
 from tasks.train_adapter import launch, parallel
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save
@@ -31,22 +33,29 @@ ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetenso
 
 def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
          ) -> StageSpec:
-    """Cache-key inputs: LoRA, training and speed settings and the two upstream stages."""
+    """Cache-key inputs: LoRA, training and speed settings, the two upstream stages and the init adapter's files."""
+    init = {}
+    if train.init_adapter:  # its content, not its name: a new champion is a new starting point
+        folder = resolve_adapter(train.init_adapter, runs_dir)
+        init = {"init_adapter": files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])}
     return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir,
                      params={"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()},
-                     upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir)})
+                     upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir)}, fingerprint=init)
 
 
 @task(name="train_adapter", **stage_task_options(spec))
 def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
                   ) -> str:
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
-    check_target_modules(lora.target_modules, Path(model_dir))
+    if not train.init_adapter:  # an init adapter brings its own target modules
+        check_target_modules(lora.target_modules, Path(model_dir))
     keep = ("checkpoints", "loss.jsonl")  # an interrupted run resumes from these
     with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
         if stage.done:
             return str(stage.dir)
         resume = latest_checkpoint(stage.dir / "checkpoints")
+        if train.init_adapter:  # the ranks get the folder itself
+            train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
         processes = parallel.world_size(speed)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
             if processes > 1:

@@ -1,0 +1,217 @@
+"""Preference tuning in train_adapter (train.method dpo or kto): TRL's DPOTrainer / KTOTrainer on the same 4-bit
+base, with the pipeline's checkpoints, loss log, progress, out-of-memory back-off and adapter layout.
+
+The reference model is never a second copy of the base: with a fresh adapter TRL computes the reference
+log-probabilities with the adapter turned off (peft's disable_adapter); starting from train.init_adapter, TRL
+keeps a frozen copy of that adapter ("ref", adapter-sized) and the reference is base + it. The data comes
+pre-tokenized from prepare_data in TRL's own columns, so TRL's tokenization step is skipped.
+
+Speed levers: Liger's kernels, MLP chunks, fused LoRA layers, (offloaded) checkpointing and the host-side
+embedding table apply as for SFT; packing and the fused cross-entropy step aside (TRL pads chosen and rejected
+into one batch, and computes log-probabilities with its own chunked LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.log import logger
+from tasks.runtime import device, load_quantized, read_model_metrics
+from tasks.train_adapter import plan
+from tasks.train_adapter.checkpoints import latest_checkpoint
+
+
+def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
+                 ) -> dict[str, Any]:
+    """Train with DPO or KTO here (alone, or as one rank of a data-parallel group); the main process saves."""
+    from tasks.train_adapter.fit import progress, smaller_micro_batch
+
+    import torch
+
+    dataset = _dataset(Path(data_dir) / "train.parquet", train)
+    while True:
+        trainer, batches = _trainer(lora, train, speed, dataset, out, Path(model_dir))
+        resume = latest_checkpoint(out / "checkpoints")
+        if resume is not None:
+            logger().info("train_adapter: resuming from %s", resume.name)
+        try:
+            result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+            break
+        except torch.OutOfMemoryError as exc:
+            train, speed = smaller_micro_batch(train, speed, batches, exc)
+            if train.method == "kto" and train.per_device_train_batch_size < 2:
+                raise UserError("train_adapter (kto) ran out of GPU memory at micro-batch 2, the least KTO can "
+                                "estimate its KL term from. Lower data.max_seq_length or lora.r, or use a GPU "
+                                f"with more memory. ({exc})") from exc
+            del trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+    model = trainer.model
+    throughput = progress(trainer).summary()
+    if trainer.is_world_process_zero():
+        model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
+        (out / "adapter" / "README.md").unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return {**throughput, "train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
+            "train_examples": len(dataset), "train_seconds": result.metrics.get("train_runtime"),
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "per_device_train_batch_size": train.per_device_train_batch_size,
+            "gradient_accumulation_steps": train.gradient_accumulation_steps, "processes": trainer.args.world_size,
+            "sharding": "ddp" if trainer.args.world_size > 1 else "none", "method": train.method}
+
+
+def _dataset(path: Path, train: TrainArgs) -> Any:
+    """train.parquet as a datasets.Dataset in TRL's columns; for KTO, pairs become one row per answer, shuffled."""
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    table = pq.read_table(path)
+    paired = "chosen_ids" in table.column_names
+    if train.method == "dpo" and not paired:
+        raise UserError("train.method=dpo needs preference pairs (prompt, chosen, rejected), but the data is "
+                        "unpaired_preference (prompt, completion, label). Use train.method=kto for rated answers.")
+    if train.method == "kto" and paired:  # TRL's unpair_preference_dataset, on token ids
+        import random
+
+        rows = table.to_pylist()
+        unpaired = [{"prompt_ids": r["prompt_ids"], "completion_ids": r[k], "label": k == "chosen_ids"}
+                    for r in rows for k in ("chosen_ids", "rejected_ids")]
+        # KTO samples in order (its KL term pairs neighbours): a fixed shuffle mixes good and bad answers
+        random.Random(train.seed).shuffle(unpaired)
+        return Dataset.from_list(unpaired)
+    return Dataset(table)
+
+
+def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, out: Path, model_dir: Path
+             ) -> tuple[Any, plan.MicroBatches]:
+    import torch
+    from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
+    from transformers import PrinterCallback
+
+    from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
+    from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+
+    model = load_quantized(model_dir)
+    if speed.upcast_frozen_to_fp32:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    applied = plan.prepare_base(model, speed.model_copy(update={"packing": False, "fused_cross_entropy": False}))
+    logger().info("train_adapter (%s): %s; packing and the fused cross-entropy step aside: TRL pads chosen and "
+                  "rejected answers into one batch and computes log-probabilities with its own chunked LM head",
+                  train.method, ", ".join(applied) or "no speed levers apply on this device")
+    cuda = torch.cuda.is_available()
+    offload = train.gradient_checkpointing and (speed.offload_activations if speed.offload_activations is not None
+                                                 else cuda and not plan.several_processes())
+    wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+    embeddings = bool(wanted) and offload_embeddings(model)
+    if train.gradient_checkpointing:
+        enable_checkpointing(model, offload)
+        _keep_checkpoint_function(model, offload)
+    peft_config = None
+    if train.init_adapter:
+        logger().info("train_adapter: starting from %s (its own LoRA settings; also the reference model)",
+                      train.init_adapter)
+        model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
+    else:
+        peft_config = LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())
+    collator = _CountingCollator(_collator(train, model.config.pad_token_id or 0))
+    trainer_type, config_type = _trl(train.method)
+    compute = read_model_metrics(model_dir).compute_dtype
+    settings = plan.trainer_settings(train, speed.model_copy(update={"packing": False}))
+    settings.update(beta=train.beta, **({"loss_type": train.loss_type} if train.loss_type else {}))
+    if settings["bf16"] is None:
+        settings["bf16"] = compute == "bfloat16"
+    args = config_type(output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
+                       fp16=compute == "float16", use_cpu=device() == "cpu", report_to=[], disable_tqdm=True,
+                       dataloader_num_workers=0, max_length=None, **settings)  # data.max_seq_length cut already
+    trainer = trainer_type(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                           processing_class=_tokenizer(model_dir), peft_config=peft_config,
+                           callbacks=[LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()])
+    trainer.remove_callback(PrinterCallback)
+    if compute == "float32":  # TRL casts the LoRA weights to bf16 (the QLoRA paper's choice for GPUs); on a CPU
+        for param in trainer.model.parameters():  # computing in float32, bf16 LoRA matmuls are the slow part
+            if param.requires_grad:
+                param.data = param.data.float()
+    plan.prepare_peft(trainer.model, speed)
+    return trainer, plan.MicroBatches(False, offload, embeddings, None)
+
+
+def _keep_checkpoint_function(model: Any, offload: bool) -> None:
+    """TRL turns checkpointing off around its no-grad reference pass and back on with transformers' default
+    function; this makes "back on" mean the pipeline's (offloaded) checkpointing again, hooks untouched."""
+    import torch.utils.checkpoint
+
+    from tasks.train_adapter.checkpointing import offloaded_checkpoint
+
+    func = offloaded_checkpoint if offload else functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=False)
+    model.gradient_checkpointing_enable = lambda *_, **__: model._set_gradient_checkpointing(
+        enable=True, gradient_checkpointing_func=func)
+
+
+def _trl(method: str) -> tuple[type, type]:
+    """The TRL trainer (taking prepare_data's token ids as they are) and config for a method."""
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+
+    if method == "dpo":
+        return _PreTokenizedDPO(DPOTrainer), DPOConfig
+    return _PreTokenizedKTO(KTOTrainer), KTOConfig
+
+
+@functools.cache
+def _PreTokenizedDPO(base: type) -> type:  # noqa: N802 - a class factory (trl imported lazily)
+    class PreTokenizedDPOTrainer(base):
+        def _prepare_dataset(self, dataset: Any, *_: Any) -> Any:
+            return dataset  # prompt_ids, chosen_ids, rejected_ids from prepare_data
+
+    return PreTokenizedDPOTrainer
+
+
+@functools.cache
+def _PreTokenizedKTO(base: type) -> type:  # noqa: N802
+    class PreTokenizedKTOTrainer(base):
+        def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+            if not self.calculate_KL:
+                return dataset
+
+            def add_kl(batch: dict[str, list]) -> dict[str, list]:  # TRL's: rotate the answers by one per batch
+                batch["KL_completion_ids"] = [batch["completion_ids"][-1], *batch["completion_ids"][:-1]]
+                return batch
+
+            return dataset.map(add_kl, batched=True, batch_size=args.per_device_train_batch_size)
+
+    return PreTokenizedKTOTrainer
+
+
+def _collator(train: TrainArgs, pad_id: int) -> Any:
+    if train.method == "dpo":
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        return DataCollatorForPreference(pad_token_id=pad_id)
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    return DataCollatorForUnpairedPreference(pad_token_id=pad_id)
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from tasks.runtime import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+class _CountingCollator:
+    """TRL's collator, counting the real (non-padding) tokens it hands out, for Progress: chosen + rejected (DPO),
+    the answers (KTO; its KL pass is not counted)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.real_tokens = inner, 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.inner(examples)
+        self.real_tokens += int(batch["attention_mask"].sum())
+        return batch

@@ -159,7 +159,7 @@ def _artifact_keys(flow_run_id: Any) -> set[str]:
 def test_deployments_match_the_presets() -> None:
     spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
     by_name = {d["name"]: d for d in spec["deployments"]}
-    for name in ("embedded-default", "reference-recipe"):
+    for name in ("embedded-default", "reference-recipe", "dpo-embedded"):
         assert RunConfig.model_validate(by_name[name]["parameters"]["config"]) == load_config(
             PRESETS_DIR / f"{name}.yaml")
     nightly = by_name["nightly"]["schedules"][0]

@@ -25,7 +25,7 @@ from tasks.prepare_data.formats import CHAT_TEMPLATES
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 
 ANSWERS = {"preference": ("chosen", "rejected"), "unpaired_preference": ("completion",)}
-_LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0": False, 1: True, 0: False}
+_LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0": False}  # 1 == True, 0 == False
 
 
 def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], problems: Problems, folder: Path,
@@ -189,7 +189,8 @@ def _metrics(fmt: str, args: DataArgs, stats: dict[str, int], lengths: list[int]
     sequences = counts["train"][0] * len(ANSWERS[fmt])
     return {"format": fmt, "completion_only_loss": True,
             "chat_template": args.chat_template if stats["conversational"] else None, "pack_examples": False,
-            "rows_in": stats["rows_in"], "dropped_empty": 0, "dropped_prompt_too_long": stats["dropped_prompt_too_long"],
+            "rows_in": stats["rows_in"], "dropped_empty": 0,
+            "dropped_prompt_too_long": stats["dropped_prompt_too_long"],
             "truncated": stats["truncated"], "truncated_tokens": stats["truncated_tokens"], "rows_out": kept,
             "train_examples": counts["train"][0], "eval_examples": counts["eval"][0], "train_rows": counts["train"][0],
             "truncation_rate": round(stats["truncated"] / max(kept, 1), 4),

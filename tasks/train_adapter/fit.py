@@ -21,10 +21,6 @@ from tasks.train_adapter.parallel import fsdp_settings, save_sharded_adapter
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
                  ) -> dict[str, Any]:
     """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
-    if train.method != "sft":  # DPO / KTO through TRL
-        from tasks.train_adapter import preference
-
-        return preference.fit_and_save(lora, train, speed, data_dir, model_dir, out)
     examples = ParquetExamples(Path(data_dir) / "train.parquet")
     model, trainer, result, used = _fit_with_backoff(lora, train, speed, examples, out, Path(model_dir))
     throughput = progress(trainer).summary()  # every rank takes part: the figures are gathered over all

@@ -107,6 +107,7 @@ def _rank_main(args_file: Path) -> None:
     """One rank: train (the Trainer sees torchrun's environment and uses DDP); rank 0 saves and reports."""
     import logging
 
+    from tasks.train_adapter import preference
     from tasks.train_adapter.fit import fit_and_save
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
@@ -117,7 +118,9 @@ def _rank_main(args_file: Path) -> None:
     spec = json.loads(args_file.read_text())
     out = Path(spec["out"])
     try:
-        metrics = fit_and_save(LoraArgs(**spec["lora"]), TrainArgs(**spec["train"]), SpeedArgs(**spec["speed"]),
+        train = TrainArgs(**spec["train"])
+        fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
+        metrics = fit(LoraArgs(**spec["lora"]), train, SpeedArgs(**spec["speed"]),
                                              spec["data_dir"], spec["model_dir"], out)
     except UserError as exc:
         print(USER_ERROR_PREFIX + str(exc).replace("\n", " "), flush=True)

@@ -30,9 +30,9 @@ from tasks.train_adapter.checkpoints import latest_checkpoint
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
                  ) -> dict[str, Any]:
     """Train with DPO or KTO here (alone, or as one rank of a data-parallel group); the main process saves."""
-    from tasks.train_adapter.fit import progress, smaller_micro_batch
-
     import torch
+
+    from tasks.train_adapter.fit import progress, smaller_micro_batch
 
     dataset = _dataset(Path(data_dir) / "train.parquet", train)
     while True:

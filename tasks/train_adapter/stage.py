@@ -19,11 +19,11 @@ from prefect import task
 from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.limits import gpu_slot
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
+from tasks.limits import gpu_slot
 from tasks.manifest import StageSpec, files_fingerprint, open_stage, read_manifest
-from tasks.train_adapter import launch, parallel
+from tasks.train_adapter import launch, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save
 
@@ -61,7 +61,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
             if processes > 1:
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
             else:
-                metrics = fit_and_save(lora, train, speed, data_dir, model_dir, stage.dir)
+                fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
+                metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
         return str(stage.dir)

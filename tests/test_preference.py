@@ -1,0 +1,250 @@
+"""Preference tuning (train.method dpo / kto): data formats and their bad rows, config, the promotion gate, and
+DPO and KTO end to end on the embedded tiny model and the generated sample pairs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import EMBEDDED_PREFERENCES, PROJECT_ROOT, DataArgs, ModelArgs, load_config
+from tasks.errors import UserError
+from tests.conftest import run_flow, statuses
+
+# a few seconds of DPO on 2 CPU cores that the held-out pairs show (about 0.8 reward accuracy after 20 steps)
+FAST = {"train.learning_rate": 0.003, "train.beta": 0.5, "train.per_device_train_batch_size": 8,
+        "train.logging_steps": 1, "eval.max_samples": 64, "eval.generation_samples": 4}
+
+
+def _prepare(tmp_path: Path, rows: list[dict[str, Any]], **data: Any) -> Path:
+    from tasks.prepare_data.stage import prepare_data
+
+    source = tmp_path / "pairs.jsonl"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Path(prepare_data.fn(DataArgs(source=str(source), eval_fraction=0.0, **data), ModelArgs(),
+                                tmp_path / "runs"))
+
+
+GOOD = {"prompt": "### Instruction:\nName a colour.\n\n### Response:\n", "chosen": "Red.", "rejected": "Seven."}
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"prompt": "Q", "rejected": "no"}, "lack a chosen answer (missing or empty): "),
+    ({"prompt": "Q", "chosen": " ", "rejected": "no"}, "lack a chosen answer (missing or empty): "),
+    ({"prompt": "Q", "chosen": "same", "rejected": "same "}, "have chosen == rejected (nothing to prefer"),
+    ({"prompt": "", "chosen": "yes", "rejected": "no"}, "have an empty prompt"),
+    ({"prompt": [], "chosen": [{"role": "assistant", "content": "yes"}],
+      "rejected": [{"role": "assistant", "content": "no"}]}, "have an empty prompt"),
+])
+def test_bad_pairs_are_listed_by_line_and_nothing_is_written(tmp_path: Path, bad: dict[str, Any], message: str
+                                                             ) -> None:
+    with pytest.raises(UserError) as caught:
+        _prepare(tmp_path, [GOOD, bad, GOOD, bad])
+    text = str(caught.value)
+    assert "has bad rows, so nothing was written" in text
+    assert f"2 row(s) {message}" in text and "pairs.jsonl line 2, line 4" in text
+    assert not list((tmp_path / "runs").glob("prepare_data/*/manifest.json"))
+
+
+def test_bad_labels_and_empty_completions_of_rated_answers(tmp_path: Path) -> None:
+    rows = [{"prompt": "Q", "completion": "A", "label": True}, {"prompt": "Q", "completion": "B", "label": "maybe"},
+            {"prompt": "Q", "completion": "", "label": False}]
+    with pytest.raises(UserError) as caught:
+        _prepare(tmp_path, rows)
+    assert "1 row(s) have a label that is not true or false: " in str(caught.value)
+    assert "1 row(s) lack a completion answer (missing or empty): " in str(caught.value)
+    assert "line 2." in str(caught.value) and "line 3." in str(caught.value)
+
+
+def test_pairs_tokenize_to_trls_columns_with_mapping_and_chat_form(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from tasks.runtime import load_tokenizer
+
+    rows = [{"question": GOOD["prompt"], "good": GOOD["chosen"], "bad": GOOD["rejected"]}]
+    out = _prepare(tmp_path / "plain", rows, column_mapping={"question": "prompt", "good": "chosen", "bad": "rejected"})
+    table = pq.read_table(out / "train.parquet")
+    assert table.column_names == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    tok = load_tokenizer(Path(str(ModelArgs().base_model)))
+    row = table.to_pylist()[0]
+    assert tok.decode(row["prompt_ids"]) == GOOD["prompt"]
+    assert tok.decode(row["chosen_ids"]) == "Red." + tok.eos_token
+    assert json.loads((out / "manifest.json").read_text())["metrics"]["format"] == "preference"
+
+    chat = [{"prompt": [{"role": "user", "content": "Hi!"}], "chosen": [{"role": "assistant", "content": "Hello."}],
+             "rejected": [{"role": "assistant", "content": "Go away."}]}]
+    out = _prepare(tmp_path / "chat", chat, chat_template="chatml")
+    row = pq.read_table(out / "train.parquet").to_pylist()[0]
+    assert tok.decode(row["prompt_ids"]) == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(row["rejected_ids"]) == "Go away.<|im_end|>\n" + tok.eos_token
+
+    rated = [{"prompt": "Q", "completion": "A", "label": True}, {"prompt": "Q", "completion": "B", "label": "false"}]
+    out = _prepare(tmp_path / "rated", rated)
+    table = pq.read_table(out / "train.parquet")
+    assert table.column_names == ["prompt_ids", "completion_ids", "label"]
+    assert table.column("label").to_pylist() == [True, False]
+
+
+def test_preference_config_rules() -> None:
+    assert load_config(None, ["train.method=dpo", "train.init_adapter=champion", "export.name=x"]
+                       ).train.init_adapter == "champion:x"
+    with pytest.raises(ValueError, match="train.loss_type=kto does not go with train.method=dpo"):
+        load_config(None, ["train.method=dpo", "train.loss_type=kto"])
+    with pytest.raises(ValueError, match="loss_type is for dpo and kto only"):
+        load_config(None, ["train.loss_type=sigmoid"])
+    with pytest.raises(ValueError, match="set train.per_device_train_batch_size to 2 or more"):
+        load_config(None, ["train.method=kto", "train.per_device_train_batch_size=1"])
+    with pytest.raises(ValueError, match="trains on preference data, but data.format is dolly"):
+        load_config(None, ["train.method=dpo", "data.format=dolly"])
+
+
+def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
+    from tasks.export_adapter.registry import gate
+
+    def run(accuracy: float) -> dict[str, Any]:
+        return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0,
+                                                                  "tuned_reward_accuracy": accuracy}}
+    verdict, reason = gate(run(0.80)["metrics"], run(0.70), 0.01, "k")
+    assert verdict == "promoted" and "tuned reward accuracy 0.800 beats" in reason
+    verdict, reason = gate({**run(0.705)["metrics"], "tuned_eval_loss": 0.1}, run(0.70), 0.01, "k")
+    assert verdict == "rejected" and "needed > 0.710" in reason  # a lower eval loss does not decide
+
+
+def test_missing_champion_names_the_registry(tmp_path: Path) -> None:
+    from tasks.exports import resolve_adapter
+
+    with pytest.raises(UserError, match="the registry 'adapter' under .* has no champion yet"):
+        resolve_adapter("champion:adapter", tmp_path)
+    with pytest.raises(UserError, match="lacks adapter_config.json, adapter_model.safetensors"):
+        resolve_adapter(str(tmp_path), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """prepare_data on the sample pairs and prepare_model (the tiny Llama), once for this module."""
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.prepare_model.stage import prepare_model
+
+    runs = tmp_path_factory.mktemp("pref-runs")
+    return {"runs": str(runs), "data": prepare_data.fn(DataArgs(source=str(EMBEDDED_PREFERENCES)), ModelArgs(), runs),
+            "model": prepare_model.fn(ModelArgs(), runs)}
+
+
+def _metrics(folder: str | Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / "manifest.json").read_text())["metrics"]
+
+
+@pytest.mark.slow
+def test_dpo_end_to_end_raises_reward_accuracy_then_reruns_cached(prefect_env: Path, tmp_path: Path) -> None:
+    import torch
+    from peft import PeftModel
+
+    from tasks.runtime import load_quantized
+
+    overrides = [f"{k}={v}" for k, v in {
+        "runs_dir": tmp_path / "runs", "data.source": EMBEDDED_PREFERENCES, "train.method": "dpo",
+        "train.max_steps": 20, "train.save_steps": 10, "export.name": "pref", **FAST}.items()]
+    first = run_flow(overrides)
+    assert set(statuses(first).values()) == {"computed"}
+    evaluated = _metrics(first["stages"]["evaluate_adapter"]["dir"])
+    assert evaluated["base_reward_accuracy"] == 0.5 and evaluated["base_reward_margin"] == 0.0
+    assert evaluated["tuned_reward_accuracy"] >= 0.75 and evaluated["tuned_reward_margin"] > 0
+    assert evaluated["eval_pairs"] == 64
+    assert _metrics(first["stages"]["train_adapter"]["dir"])["method"] == "dpo"
+    exported = _metrics(first["stages"]["export_adapter"]["dir"])
+    assert exported["promotion"] == "promoted" and "tuned reward accuracy" in exported["promotion_reason"]
+    model = load_quantized(Path(first["stages"]["prepare_model"]["dir"]))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(input_ids=ids).logits
+    tuned = PeftModel.from_pretrained(model, Path(first["export_dir"]))
+    assert not torch.allclose(before, tuned(input_ids=ids).logits)
+    assert set(statuses(run_flow(overrides)).values()) == {"cached"}
+
+
+@pytest.mark.slow
+def test_kto_on_pairs_split_into_rated_answers_raises_reward_accuracy(pairs: dict[str, str], tmp_path: Path
+                                                                      ) -> None:
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.train_adapter.stage import train_adapter
+
+    config = load_config(None, [f"{k}={v}" for k, v in {**FAST, **KTO}.items()] + ["train.method=kto"])
+    runs = Path(pairs["runs"])
+    adapter = train_adapter.fn(config.lora, config.train, config.speed, runs, pairs["data"], pairs["model"])
+    trained = _metrics(adapter)
+    assert trained["method"] == "kto" and trained["train_examples"] == 2 * _metrics(pairs["data"])["train_examples"]
+    evaluated = _metrics(evaluate_adapter.fn(config.eval, runs, pairs["data"], pairs["model"], adapter))
+    assert evaluated["base_reward_accuracy"] == 0.5
+    assert evaluated["tuned_reward_accuracy"] >= 0.75
+
+
+KTO = {"train.max_steps": 40}
+
+
+@pytest.mark.slow
+def test_init_adapter_starts_from_an_export_and_keys_on_its_content(pairs: dict[str, str], tmp_path: Path) -> None:
+    """SFT then DPO: the starting adapter is an exported folder (here a registry champion); a new champion is
+    a new cache key; the DPO adapter keeps the starting adapter's LoRA settings."""
+    import shutil
+
+    from tasks.train_adapter.stage import spec, train_adapter
+
+    runs = Path(pairs["runs"])
+    start = train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=2", "lora.r=4"]), runs, pairs["data"],
+                             pairs["model"])
+    champion = runs / "exports" / "sft" / "v0001"
+    shutil.copytree(Path(start) / "adapter", champion)
+    (champion.parent / "champion.json").write_text(json.dumps({"version": "v0001", "path": str(champion)}))
+    sections = _sections(["train.method=dpo", "train.max_steps=2", "train.init_adapter=champion:sft"])
+    key = spec(*sections, runs, pairs["data"], pairs["model"]).key
+    adapter = Path(train_adapter.fn(*sections, runs, pairs["data"], pairs["model"]))
+    assert json.loads((adapter / "adapter" / "adapter_config.json").read_text())["r"] == 4  # the start's, not 16
+    assert not (adapter / "adapter" / "ref").exists()  # TRL's frozen reference copy is not shipped
+    (champion / "adapter_model.safetensors").write_bytes(b"changed")
+    assert spec(*sections, runs, pairs["data"], pairs["model"]).key != key
+
+
+def _sections(overrides: list[str]) -> tuple[Any, ...]:
+    config = load_config(None, [f"{k}={v}" for k, v in FAST.items()] + overrides)
+    return config.lora, config.train, config.speed
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+def test_kill_9_mid_dpo_resumes_with_the_same_number_of_steps(pairs: dict[str, str], tmp_path: Path) -> None:
+    steps = 30
+    overrides = ["train.method=dpo", f"train.max_steps={steps}", "train.save_steps=5", "train.seed=7"]
+    runs = Path(pairs["runs"])
+    script = ("import sys; from pathlib import Path; from tests.test_preference import _sections; "
+              "from tasks.train_adapter.stage import train_adapter; "
+              f"train_adapter.fn(*_sections({overrides!r}), Path({str(runs)!r}), {pairs['data']!r}, "
+              f"{pairs['model']!r})")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, start_new_session=True,
+                            stdout=(tmp_path / "out").open("w"), stderr=subprocess.STDOUT)
+    from tasks.train_adapter.stage import spec, train_adapter
+
+    sections = _sections(overrides)
+    folder = spec(*sections, runs, pairs["data"], pairs["model"]).dir
+    deadline = time.time() + 600
+    try:
+        while not list(folder.glob("checkpoints/checkpoint-*/complete")):
+            assert proc.poll() is None, (tmp_path / "out").read_text()[-3000:]
+            assert time.time() < deadline, "no checkpoint written in time"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    saved = max(int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoints/checkpoint-*/complete"))
+    assert saved < steps
+    done = Path(train_adapter.fn(*sections, runs, pairs["data"], pairs["model"]))
+    manifest = json.loads((done / "manifest.json").read_text())
+    assert manifest["resumed_from_step"] >= saved and manifest["metrics"]["optimizer_steps"] == steps
+    logged = [json.loads(line)["step"] for line in (done / "loss.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))

@@ -1,0 +1,279 @@
+"""DPO speed and memory: train_adapter's DPO path (its speed levers) beside TRL's plain DPOTrainer recipe, on the
+same 4-bit Llama-3.1-8B-shaped model and the same synthetic preference pairs, in one GPU run.
+
+Builds the 8B-shaped model with random weights and quantizes it through the pipeline's prepare_model (bench_train's
+worker_build: the shared reference_recipe.make_model_dir, a 128,256-id word-level tokenizer), then measures,
+each in its own process so that its GPU memory figures are its own:
+
+  (a) pipeline: tasks.train_adapter.preference.fit_and_save, train.method dpo, its defaults (fused LoRA layers,
+      offloaded checkpointing and embeddings, MLP chunks, Liger where installed; packing and the fused
+      cross-entropy step aside on TRL's path), data pre-tokenized as prepare_data writes it
+  (b) trl: TRL's documented QLoRA recipe: AutoModelForCausalLM with a BitsAndBytesConfig (nf4, double
+      quantization, bf16 compute), DPOTrainer with peft_config (the reference = the adapter disabled),
+      gradient checkpointing, bf16, paged 8-bit AdamW; the pairs as text that its own tokenization turns back
+      into the same ids
+
+Both: LoRA r=16, alpha 32 on all seven projections, beta 0.1, sigmoid loss, the same micro-batch of pairs, 1
+accumulation step. Pairs: token ids at random (seed 0), prompt lengths lognormal (median 200, sigma 0.6, at least
+16, at most --prompt-max), answer lengths lognormal (median 150, sigma 0.6, at least 4, at most --answer-max), each
+answer ending in eos. Reported: real tokens/s (the non-padding tokens of prompt+chosen and prompt+rejected, from the
+end of the first optimizer step to the end of the last), seconds per step, peak allocated GPU memory (from the
+start of training, the resident model included), and the losses.
+
+usage (GPU host, from the repository root; about 5 minutes on one H200):
+  python bench/bench_dpo.py --shared ../shared/bench --out bench/results/$(date +%F)-h200-dpo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+GIB = 2**30
+EOS = 2  # bench_train's tokenizer: t0 unk/pad, t1 bos, t2 eos
+
+
+def make_pairs(n: int, prompt_max: int, answer_max: int, vocab: int) -> list[dict[str, list[int]]]:
+    """n synthetic pairs of token ids (seed 0), ids >= 3 (no special token inside)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def lens(median: int, low: int, high: int) -> Any:
+        return np.clip(rng.lognormal(np.log(median), 0.6, n).astype(int), low, high)
+
+    p, c, r = lens(200, 16, prompt_max), lens(150, 4, answer_max), lens(150, 4, answer_max)
+    ids = lambda k: [int(x) for x in rng.integers(3, vocab, k - 1 if k > 1 else 0)]  # noqa: E731
+    return [{"prompt_ids": ids(a + 1), "chosen_ids": ids(b) + [EOS], "rejected_ids": ids(d) + [EOS]}
+            for a, b, d in zip(p, c, r, strict=True)]
+
+
+def write_pairs(path: Path, pairs: list[dict[str, list[int]]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(pairs, schema=pa.schema([(k, pa.list_(pa.int32())) for k in pairs[0]])),
+                   path)
+
+
+class _Timer:
+    """(time, real tokens) after each optimizer step, the GPU synchronized; peak memory from train start."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, int]] = []
+        self.tokens = 0
+        self.losses: list[float] = []
+
+    def callback(self) -> Any:
+        import torch
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class Cb(TrainerCallback):
+            def on_train_begin(self, *a: Any, **k: Any) -> None:
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                timer.marks = [(time.perf_counter(), 0)]
+                timer.tokens = 0
+
+            def on_step_end(self, *a: Any, **k: Any) -> None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer.marks.append((time.perf_counter(), timer.tokens))
+
+            def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
+                if logs and "loss" in logs:
+                    timer.losses.append(round(float(logs["loss"]), 4))
+        return Cb()
+
+    def summary(self) -> dict[str, Any]:
+        import torch
+
+        (t0, k0), (t1, k1) = self.marks[1], self.marks[-1]  # after the first (warm-up) step
+        steps = len(self.marks) - 2
+        cuda = torch.cuda.is_available()
+        return {"real_tokens_per_s": round((k1 - k0) / (t1 - t0), 1), "s_per_step": round((t1 - t0) / steps, 3),
+                "timed_steps": steps, "peak_gpu_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)
+                if cuda else 0.0, "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2)
+                if cuda else 0.0, "losses": self.losses}
+
+
+def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
+    """train_adapter's DPO path as the stage runs it (its Progress callback measures)."""
+    from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+    from tasks.train_adapter import preference
+
+    out = Path(spec["work"]) / "pipeline-out"
+    out.mkdir(parents=True, exist_ok=True)
+    train = TrainArgs(method="dpo", max_steps=spec["steps"] + 1, per_device_train_batch_size=spec["pairs_per_step"],
+                      learning_rate=5e-6, warmup_steps=0, logging_steps=1, save_steps=10**6, beta=0.1)
+    t = time.time()
+    metrics = preference.fit_and_save(LoraArgs(), train, SpeedArgs(**spec.get("speed", {})), spec["data_dir"],
+                                      spec["model_dir_4bit"], out)
+    losses = [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
+    import torch
+
+    return {**metrics, "wall_s": round(time.time() - t, 1), "losses": [round(x, 4) for x in losses],
+            "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2)
+            if torch.cuda.is_available() else None}
+
+
+def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    """TRL's plain QLoRA DPO recipe: no pipeline code, no levers."""
+    import pyarrow.parquet as pq
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 - the word-level tokenizer maps back to ids
+    rows = pq.read_table(Path(spec["data_dir"]) / "train.parquet").to_pylist()
+    # answers start with a space (prompt + answer is one string to TRL) and end in the eos token "t2"
+    data = Dataset.from_list([{"prompt": text(r["prompt_ids"]), "chosen": " " + text(r["chosen_ids"]),
+                               "rejected": " " + text(r["rejected_ids"])} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    t = time.time()
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=torch.bfloat16, device_map={"": 0} if torch.cuda.is_available() else "cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    load_s = time.time() - t
+    timer = _Timer()
+    inner = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+
+    def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = inner(examples)
+        timer.tokens += int(batch["attention_mask"].sum())
+        return batch
+
+    args = DPOConfig(output_dir=str(Path(spec["work"]) / "trl-out"), max_steps=spec["steps"] + 1,
+                     per_device_train_batch_size=spec["pairs_per_step"], gradient_accumulation_steps=1,
+                     learning_rate=5e-6, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[],
+                     bf16=torch.cuda.is_available(), gradient_checkpointing=True, optim="paged_adamw_8bit", beta=0.1,
+                     max_length=None, disable_tqdm=True)
+    peft = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=peft,
+                         data_collator=collate, callbacks=[timer.callback()])
+    first = trainer.train_dataset[0]
+    same = (first["prompt_ids"], first["chosen_ids"]) == (rows[0]["prompt_ids"], rows[0]["chosen_ids"])
+    t = time.time()
+    trainer.train()
+    return {**timer.summary(), "load_s": round(load_s, 1), "train_s": round(time.time() - t, 1),
+            "same_token_ids_as_pipeline": same}
+
+
+def _run(kind: str, spec: dict[str, Any], log: Path, timeout: int) -> dict[str, Any]:
+    spec_file = log.with_suffix(".spec.json")
+    spec_file.write_text(json.dumps(spec))
+    cmd = [sys.executable, __file__, "--worker", kind, "--spec", str(spec_file)]
+    t = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {timeout} s", "log_tail": str(exc.stdout or "")[-2000:]}
+    log.write_text(proc.stdout + proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    return {**json.loads(lines[-1][len("RESULT "):]), "process_s": round(time.time() - t, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--shared", default="../shared/bench", help="folder with reference_recipe.py (make_model_dir)")
+    ap.add_argument("--model-dir", default="/tmp/llama8b")
+    ap.add_argument("--work", default="/tmp/qlora-bench-dpo")
+    ap.add_argument("--pairs", type=int, default=96)
+    ap.add_argument("--pairs-per-step", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps, after one warm-up step")
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--answer-max", type=int, default=512)
+    ap.add_argument("--out", type=Path, help="write the JSON here (default: print only)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model with the same vocabulary: checks the script "
+                    "end to end on a CPU in a few minutes (figures meaningless)")
+    a = ap.parse_args()
+    if a.worker:
+        spec = json.loads(Path(a.spec).read_text())
+        if a.worker == "build":
+            from bench_train import worker_build
+
+            result = _build_smoke(spec) if spec.get("smoke") else worker_build(spec)
+        else:
+            result = {"pipeline": worker_pipeline, "trl": worker_trl}[a.worker](spec)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    built = _run("build", {"shared": str(Path(a.shared).resolve()), "model_dir": a.model_dir,
+                           "runs_dir": str(work / "runs"), "smoke": a.smoke}, work / "build.log", 1200)
+    if "error" in built:
+        sys.exit(f"build failed: {json.dumps(built)[:3000]}")
+    data_dir = work / "data"
+    write_pairs(data_dir / "train.parquet", make_pairs(a.pairs, a.prompt_max, a.answer_max, 128256))
+    spec = {"work": str(work), "data_dir": str(data_dir), "model_dir": a.model_dir,
+            "model_dir_4bit": built["model_dir_4bit"], "steps": a.steps, "pairs_per_step": a.pairs_per_step}
+    results = {"pipeline": _run("pipeline", spec, work / "pipeline.log", 900),
+               "trl": _run("trl", spec, work / "trl.log", 900)}
+    p, t = results["pipeline"], results["trl"]
+    report = {"bench": "bench_dpo", "date": datetime.date.today().isoformat(), "argv": sys.argv[1:],
+              "gpu": _gpu_name(), "build": built, **results, "wall_s": round(time.time() - started, 1)}
+    if "error" not in p and "error" not in t:
+        report["speedup"] = round(p["real_tokens_per_s"] / t["real_tokens_per_s"], 3)
+        report["memory_ratio"] = round(p.get("peak_gpu_allocated_gib", 0) / max(t["peak_gpu_allocated_gib"], 1e-9), 3)
+        print(f"{'':10} {'tokens/s':>10} {'peak GiB':>9}\n{'pipeline':10} {p['real_tokens_per_s']:>10} "
+              f"{p.get('peak_gpu_allocated_gib', 0):>9}\n{'trl':10} {t['real_tokens_per_s']:>10} "
+              f"{t['peak_gpu_allocated_gib']:>9}")
+    text = json.dumps(report, indent=2)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    print(text)
+
+
+def _build_smoke(spec: dict[str, Any]) -> dict[str, Any]:
+    """A 2-layer Llama with the 8B shape's vocabulary and the bench tokenizer, through prepare_model."""
+    import torch
+    from bench_train import VOCAB, _write_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tasks.prepare_model.stage as pm
+    from tasks.config import ModelArgs
+
+    folder = Path(spec["model_dir"])
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+                         ).save_pretrained(folder)
+    _write_tokenizer(folder)
+    return {"model_dir_4bit": pm.prepare_model.fn(ModelArgs(base_model=str(folder)), Path(spec["runs_dir"]))}
+
+
+def _gpu_name() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -331,6 +331,9 @@ class RunConfig(_Section):
         if method != "sft" and self.data.format not in ("auto", "preference", "unpaired_preference"):
             raise ValueError(f"train.method={method} trains on preference data, but data.format is "
                              f"{self.data.format}; set data.format to preference, unpaired_preference or auto")
+        if method != "sft" and self.speed.fsdp:
+            raise ValueError(f"train.method={method} does not run with speed.fsdp (TRL's preference trainers are "
+                             "not tried with FSDP here); set speed.fsdp=false (DDP with speed.num_gpus works)")
         if method == "kto" and self.train.per_device_train_batch_size < 2:
             raise ValueError("train.method=kto estimates its KL term from the other answers of a micro-batch: "
                              "set train.per_device_train_batch_size to 2 or more")

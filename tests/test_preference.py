@@ -93,6 +93,17 @@ def test_pairs_tokenize_to_trls_columns_with_mapping_and_chat_form(tmp_path: Pat
     assert table.column("label").to_pylist() == [True, False]
 
 
+def test_method_and_data_format_must_fit(stages: dict[str, Any], tmp_path: Path) -> None:
+    from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+    from tasks.train_adapter.stage import train_adapter
+
+    pairs = _prepare(tmp_path, [GOOD, {**GOOD, "chosen": "Blue."}])
+    with pytest.raises(UserError, match=r"in the preference format \(preference data\), but train.method is sft"):
+        train_adapter.fn(LoraArgs(), TrainArgs(), SpeedArgs(), tmp_path, str(pairs), stages["model"])
+    with pytest.raises(UserError, match="train.method=dpo trains on preference data, but the data is in the dolly"):
+        train_adapter.fn(LoraArgs(), TrainArgs(method="dpo"), SpeedArgs(), tmp_path, stages["data"], stages["model"])
+
+
 def test_preference_config_rules() -> None:
     assert load_config(None, ["train.method=dpo", "train.init_adapter=champion", "export.name=x"]
                        ).train.init_adapter == "champion:x"
@@ -104,6 +115,8 @@ def test_preference_config_rules() -> None:
         load_config(None, ["train.method=kto", "train.per_device_train_batch_size=1"])
     with pytest.raises(ValueError, match="trains on preference data, but data.format is dolly"):
         load_config(None, ["train.method=dpo", "data.format=dolly"])
+    with pytest.raises(ValueError, match="does not run with speed.fsdp"):
+        load_config(None, ["train.method=dpo", "speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"])
 
 
 def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:

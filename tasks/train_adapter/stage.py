@@ -22,7 +22,7 @@ from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
 from tasks.limits import gpu_slot
-from tasks.manifest import StageSpec, files_fingerprint, open_stage, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, files_fingerprint, open_stage, read_manifest
 from tasks.train_adapter import launch, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save
@@ -49,6 +49,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
     if not train.init_adapter:  # an init adapter brings its own target modules
         check_target_modules(lora.target_modules, Path(model_dir))
+    check_method(train.method, Path(data_dir))
     keep = ("checkpoints", "loss.jsonl")  # an interrupted run resumes from these
     with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
         if stage.done:
@@ -82,3 +83,18 @@ def check_target_modules(target_modules: list[str] | str, model_dir: Path) -> No
             f"Its layers LoRA can target are: {', '.join(report['targetable'])}. "
             "Set lora.target_modules to some of these."
         )
+
+
+def check_method(method: str, data_dir: Path) -> None:
+    """Fail before training when the data's format does not fit train.method (pairs for sft, text for dpo)."""
+    made = read_manifest(data_dir)
+    fmt = made.metrics.format if made is not None and isinstance(made.metrics, DataMetrics) else None
+    if fmt is None or (fmt in PREFERENCE_FORMATS) == (method != "sft"):
+        return
+    if method == "sft":
+        raise UserError(f"The data is in the {fmt} format (preference data), but train.method is sft. Set "
+                        "train.method to dpo (pairs) or kto (pairs or rated answers), or point data.source at "
+                        "instruction, chat or text data.")
+    raise UserError(f"train.method={method} trains on preference data, but the data is in the {fmt} format. Give "
+                    "prompt/chosen/rejected pairs or prompt/completion/label rows (README: Preference tuning), or "
+                    "set train.method=sft.")

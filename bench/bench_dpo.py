@@ -16,9 +16,10 @@ each in its own process so that its GPU memory figures are its own:
 Both: LoRA r=16, alpha 32 on all seven projections, beta 0.1, sigmoid loss, the same micro-batch of pairs, 1
 accumulation step. Pairs: token ids at random (seed 0), prompt lengths lognormal (median 200, sigma 0.6, at least
 16, at most --prompt-max), answer lengths lognormal (median 150, sigma 0.6, at least 4, at most --answer-max), each
-answer ending in eos. Reported: real tokens/s (the non-padding tokens of prompt+chosen and prompt+rejected, from the
-end of the first optimizer step to the end of the last), seconds per step, peak allocated GPU memory (from the
-start of training, the resident model included), and the losses.
+answer ending in eos; ids whose decimal form starts with 3-9 (see make_pairs). Reported: real tokens/s (the
+non-padding tokens of prompt+chosen and prompt+rejected, from the end of the first optimizer step to the end of
+the last), seconds per step, peak allocated GPU memory (from the start of training, the resident model
+included), and the losses.
 
 usage (GPU host, from the repository root; about 5 minutes on one H200):
   python bench/bench_dpo.py --shared ../shared/bench --out bench/results/$(date +%F)-h200-dpo.json
@@ -43,7 +44,7 @@ EOS = 2  # bench_train's tokenizer: t0 unk/pad, t1 bos, t2 eos
 
 
 def make_pairs(n: int, prompt_max: int, answer_max: int, vocab: int) -> list[dict[str, list[int]]]:
-    """n synthetic pairs of token ids (seed 0), ids >= 3 (no special token inside)."""
+    """n synthetic pairs of token ids (seed 0), no special token inside, answers ending in eos."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -52,7 +53,10 @@ def make_pairs(n: int, prompt_max: int, answer_max: int, vocab: int) -> list[dic
         return np.clip(rng.lognormal(np.log(median), 0.6, n).astype(int), low, high)
 
     p, c, r = lens(200, 16, prompt_max), lens(150, 4, answer_max), lens(150, 4, answer_max)
-    ids = lambda k: [int(x) for x in rng.integers(3, vocab, k - 1 if k > 1 else 0)]  # noqa: E731
+    # ids written tN with N starting 3-9: the tokenizer splits its special tokens t0/t1/t2 out of longer words
+    # (t10778 -> t1 0778), so TRL's text path would not get these ids back otherwise
+    allowed = np.array([i for i in range(3, vocab) if str(i)[0] in "3456789"])
+    ids = lambda k: [int(x) for x in rng.choice(allowed, k - 1 if k > 1 else 0)]  # noqa: E731
     return [{"prompt_ids": ids(a + 1), "chosen_ids": ids(b) + [EOS], "rejected_ids": ids(d) + [EOS]}
             for a, b, d in zip(p, c, r, strict=True)]
 

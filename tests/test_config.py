@@ -71,7 +71,7 @@ def test_cli_config_errors_are_one_paragraph_with_exit_2() -> None:
     missing = _cli("validate", "--config", "/nonexistent/config.yaml")
     assert missing.returncode == 2 and "config file /nonexistent/config.yaml does not exist" in missing.stderr
     preset = _cli("validate", "--preset", "nope")
-    assert preset.returncode == 2 and "no preset named 'nope'; presets: embedded-default" in preset.stderr
+    assert preset.returncode == 2 and "no preset named 'nope'; presets: dpo-embedded, embedded-default" in preset.stderr
 
 
 def test_cli_missing_data_file_is_a_user_error_without_traceback(tmp_path: Path) -> None:

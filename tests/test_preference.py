@@ -24,13 +24,23 @@ FAST = {"train.learning_rate": 0.003, "train.beta": 0.5, "train.per_device_train
 
 
 def _prepare(tmp_path: Path, rows: list[dict[str, Any]], **data: Any) -> Path:
+    """prepare_data on rows plus 20 good filler rows after them (so that both splits hold some)."""
     from tasks.prepare_data.stage import prepare_data
 
+    rated = "label" in rows[0]
+    fillers = [{"prompt": f"Filler {i}?", **({"completion": f"F{i}.", "label": i % 2 == 0} if rated else
+                                              {"chosen": f"F{i}.", "rejected": f"G{i}."})} for i in range(20)]
     source = tmp_path / "pairs.jsonl"
     tmp_path.mkdir(parents=True, exist_ok=True)
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return Path(prepare_data.fn(DataArgs(source=str(source), eval_fraction=0.0, **data), ModelArgs(),
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows + fillers))
+    return Path(prepare_data.fn(DataArgs(source=str(source), eval_fraction=0.5, **data), ModelArgs(),
                                 tmp_path / "runs"))
+
+
+def _rows(folder: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(folder / "train.parquet").to_pylist() + pq.read_table(folder / "eval.parquet").to_pylist()
 
 
 GOOD = {"prompt": "### Instruction:\nName a colour.\n\n### Response:\n", "chosen": "Red.", "rejected": "Seven."}
@@ -69,28 +79,27 @@ def test_pairs_tokenize_to_trls_columns_with_mapping_and_chat_form(tmp_path: Pat
 
     from tasks.runtime import load_tokenizer
 
-    rows = [{"question": GOOD["prompt"], "good": GOOD["chosen"], "bad": GOOD["rejected"]}]
-    out = _prepare(tmp_path / "plain", rows, column_mapping={"question": "prompt", "good": "chosen", "bad": "rejected"})
-    table = pq.read_table(out / "train.parquet")
-    assert table.column_names == ["prompt_ids", "chosen_ids", "rejected_ids"]
     tok = load_tokenizer(Path(str(ModelArgs().base_model)))
-    row = table.to_pylist()[0]
-    assert tok.decode(row["prompt_ids"]) == GOOD["prompt"]
+    rows = [{"question": GOOD["prompt"], "good": GOOD["chosen"], "bad": GOOD["rejected"]}]
+    mapping = {"question": "prompt", "good": "chosen", "bad": "rejected"}
+    out = _prepare(tmp_path / "plain", [*rows, *({"question": f"Q{i}?", "good": "y", "bad": "n"} for i in range(20))],
+                   column_mapping=mapping)
+    assert pq.read_schema(out / "train.parquet").names == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    row = next(r for r in _rows(out) if tok.decode(r["prompt_ids"]) == GOOD["prompt"])
     assert tok.decode(row["chosen_ids"]) == "Red." + tok.eos_token
     assert json.loads((out / "manifest.json").read_text())["metrics"]["format"] == "preference"
 
     chat = [{"prompt": [{"role": "user", "content": "Hi!"}], "chosen": [{"role": "assistant", "content": "Hello."}],
              "rejected": [{"role": "assistant", "content": "Go away."}]}]
     out = _prepare(tmp_path / "chat", chat, chat_template="chatml")
-    row = pq.read_table(out / "train.parquet").to_pylist()[0]
+    row = next(r for r in _rows(out) if tok.decode(r["rejected_ids"]) == "Go away.<|im_end|>\n" + tok.eos_token)
     assert tok.decode(row["prompt_ids"]) == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(row["rejected_ids"]) == "Go away.<|im_end|>\n" + tok.eos_token
 
     rated = [{"prompt": "Q", "completion": "A", "label": True}, {"prompt": "Q", "completion": "B", "label": "false"}]
     out = _prepare(tmp_path / "rated", rated)
-    table = pq.read_table(out / "train.parquet")
-    assert table.column_names == ["prompt_ids", "completion_ids", "label"]
-    assert table.column("label").to_pylist() == [True, False]
+    assert pq.read_schema(out / "train.parquet").names == ["prompt_ids", "completion_ids", "label"]
+    labels = {tok.decode(r["completion_ids"]): r["label"] for r in _rows(out)}
+    assert labels["A" + tok.eos_token] is True and labels["B" + tok.eos_token] is False
 
 
 def test_method_and_data_format_must_fit(stages: dict[str, Any], tmp_path: Path) -> None:
@@ -120,7 +129,7 @@ def test_preference_config_rules() -> None:
 
 
 def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
-    from tasks.export_adapter.registry import gate
+    from tasks.registry import gate
 
     def run(accuracy: float) -> dict[str, Any]:
         return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0,

@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps, after one warm-up step")
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--answer-max", type=int, default=512)
+    ap.add_argument("--variants", default="{}", help='more pipeline runs, JSON {name: speed overrides}, e.g. '
+                    '{"no_offload": {"offload_activations": false, "offload_embeddings": false}}')
     ap.add_argument("--out", type=Path, help="write the JSON here (default: print only)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model with the same vocabulary: checks the script "
                     "end to end on a CPU in a few minutes (figures meaningless)")
@@ -235,6 +237,8 @@ def main() -> None:
             "model_dir_4bit": built["model_dir_4bit"], "steps": a.steps, "pairs_per_step": a.pairs_per_step}
     results = {"pipeline": _run("pipeline", spec, work / "pipeline.log", 900),
                "trl": _run("trl", spec, work / "trl.log", 900)}
+    for name, speed in json.loads(a.variants).items():  # pipeline variants, reported beside the two above
+        results[f"pipeline_{name}"] = _run("pipeline", {**spec, "speed": speed}, work / f"pipeline-{name}.log", 900)
     p, t = results["pipeline"], results["trl"]
     report = {"bench": "bench_dpo", "date": datetime.date.today().isoformat(), "argv": sys.argv[1:],
               "gpu": _gpu_name(), "build": built, **results, "wall_s": round(time.time() - started, 1)}

@@ -31,6 +31,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,7 +120,8 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     from tasks.train_adapter import preference
 
     out = Path(spec["work"]) / "pipeline-out"
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # each variant starts afresh, no checkpoint to resume
+    out.mkdir(parents=True)
     train = TrainArgs(method="dpo", max_steps=spec["steps"] + 1, per_device_train_batch_size=spec["pairs_per_step"],
                       learning_rate=5e-6, warmup_steps=0, logging_steps=1, save_steps=10**6, beta=0.1)
     t = time.time()

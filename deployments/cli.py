@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import textwrap
@@ -139,9 +138,10 @@ def _run(config: Any, as_json: bool) -> int:
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
+    from tasks.log import quiet_user_errors
     from tasks.manifest import check_runs_dir
 
-    _quiet_user_errors()
+    quiet_user_errors()
     if uses_server():
         ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
@@ -182,26 +182,6 @@ def _user_error(message: str) -> int:
     return USER_ERROR_EXIT
 
 
-class _DropUserErrorTraceback(logging.Filter):
-    """Prefect logs a failed task with its traceback; for a user error the message alone is the help."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from tasks.errors import UserError
-
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _quiet_user_errors() -> None:
-    from prefect.logging.configuration import setup_logging
-
-    setup_logging()
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_DropUserErrorTraceback())
-
-
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
@@ -214,8 +194,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
     if "promotion" in m:
-        print(f"export {m['export_version']} {m['promotion']}: {m['promotion_reason']}\n"
-              f"champion: {m['champion_version']}; this version: {m['export_path']}")
+        print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}: "
+              f"{m['promotion_reason']}\nchampion now: {m['champion_version'] or 'none'}; this version: "
+              f"{m['export_path']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
 
 

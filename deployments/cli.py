@@ -4,7 +4,7 @@
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
     qlora-pipeline presets
     qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
-    qlora-pipeline deploy                       # register deployments/prefect.yaml
+    qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
@@ -40,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the presets")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
-    sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
+    deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
+    deploy.add_argument("--git", metavar="URL", help="flow runs clone this repository instead of running in the "
+                        "worker's checkout (the worker's directory)")
+    deploy.add_argument("--branch", help="with --git: the branch or tag to clone")
     serve = sub.add_parser("serve", help="serve the flow in this process, with its nightly schedule")
     serve.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
     serve.add_argument("--preset", help="a preset from data/presets")
@@ -82,7 +85,7 @@ def _setup(args: argparse.Namespace) -> int:
     from deployments import setup
 
     if args.command == "deploy":
-        return setup.deploy()
+        return setup.deploy(args.git, args.branch)
     print(setup.ensure_work_pool())
     print(setup.ensure_gpu_limit())
     if args.notify_url:

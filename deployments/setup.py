@@ -5,9 +5,9 @@ Idempotent: each step creates what is missing and leaves what exists.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -83,9 +83,19 @@ def redact(url: str) -> str:
     return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}/***"
 
 
-def deploy() -> int:
-    """Register the deployments in deployments/prefect.yaml (from the repository root)."""
-    env = {**os.environ, "QLORA_PIPELINE_ROOT": str(PROJECT_ROOT)}
-    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all",
-               "--prefect-file", str(HERE / "prefect.yaml")]
-    return subprocess.call(command, cwd=PROJECT_ROOT, env=env)
+def deploy(git: str | None = None, branch: str | None = None) -> int:
+    """Register the deployments in deployments/prefect.yaml (from the repository root).
+
+    With `git`, each flow run clones that repository (at `branch`) instead of running in the worker's checkout.
+    """
+    prefect_file = HERE / "prefect.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        if git:
+            spec = yaml.safe_load(prefect_file.read_text())
+            spec["pull"] = [{"prefect.deployments.steps.git_clone": {"repository": git,
+                                                                     **({"branch": branch} if branch else {})}}]
+            prefect_file = Path(tmp) / "prefect.yaml"
+            prefect_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+        command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                   str(prefect_file)]
+        return subprocess.call(command, cwd=PROJECT_ROOT)

@@ -12,13 +12,29 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
 EMBEDDED_PREFERENCES = PROJECT_ROOT / "data" / "sample" / "preferences.jsonl"
 EMBEDDED_MODEL = PROJECT_ROOT / "data" / "tiny-llama"
 PRESETS_DIR = PROJECT_ROOT / "data" / "presets"
+
+
+def _in_checkout(value: str) -> str:
+    """A relative path that exists in this checkout but not in the working directory: this checkout's file.
+
+    The defaults name the embedded model and data relative to the repository, so the UI form of a deployment
+    shows the same defaults whichever path the repository was deployed from, and the worker resolves them in
+    its own checkout.
+    """
+    path, ours = Path(value).expanduser(), PROJECT_ROOT / value
+    if not path.is_absolute() and ours.exists() and (not path.exists() or path.resolve() == ours.resolve()):
+        return str(ours)
+    return value
+
+
+InCheckout = Annotated[str, AfterValidator(_in_checkout)]
 
 
 class _Section(BaseModel):
@@ -28,8 +44,8 @@ class _Section(BaseModel):
 class DataArgs(_Section):
     """The dataset: where it is, its format, how it is cut and split (stage prepare_data)."""
 
-    source: str = Field(
-        str(EMBEDDED_DATA),
+    source: InCheckout = Field(
+        str(EMBEDDED_DATA.relative_to(PROJECT_ROOT)), validate_default=True,
         description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
         "(s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
     )
@@ -79,7 +95,8 @@ class DataArgs(_Section):
 class ModelArgs(_Section):
     """The base model and its 4-bit quantization (stage prepare_model)."""
 
-    base_model: str = Field(str(EMBEDDED_MODEL), description="A local model folder or a hub model id.")
+    base_model: InCheckout = Field(str(EMBEDDED_MODEL.relative_to(PROJECT_ROOT)), validate_default=True,
+                                   description="A local model folder or a hub model id.")
     revision: str | None = Field(None, description="Hub model revision; None = the default branch.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")

@@ -1,0 +1,142 @@
+"""What an operator sees of a run (issue 16), under the Prefect test server: the registry's verdict as it is
+now on cached runs, the eval-metrics table on every run, one progress bar per run ending at 100%, the loss
+curve inline, evaluation progress in the log, user errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.errors import UserError
+from tests.conftest import run_flow, small_overrides, statuses
+
+
+def _artifacts(flow_run_prefix: str, key: str) -> list[Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return [a for a in found if str(a.flow_run_id).startswith(flow_run_prefix)]
+
+
+def _run_prefix(summary: dict[str, Any]) -> str:
+    return Path(summary["run_dir"]).name.split("-")[-1]  # the flow run id's first 8 characters
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("ops")
+    data = tmp / "small.jsonl"
+    from tasks.config import EMBEDDED_DATA
+
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:240]))
+    overrides = small_overrides(data, tmp / "runs", **{"export.name": "gate", "eval.generation_samples": 4})
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        summary = run_flow(overrides)
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    return {"summary": summary, "overrides": overrides, "runs_dir": tmp / "runs", "logs": logs}
+
+
+@pytest.mark.slow
+def test_progress_ends_at_100_and_the_loss_curve_is_inline(first_run: dict[str, Any]) -> None:
+    prefix = _run_prefix(first_run["summary"])
+    progress = _artifacts(prefix, "train-progress")
+    assert len(progress) == 1 and progress[0].data == 100.0, [(p.data, p.description) for p in progress]
+    assert progress[0].description.startswith("done: 6/6 steps")
+    curves = _artifacts(prefix, "loss-curve")
+    assert len(curves) == 1 and curves[0].type == "markdown"  # redrawn during training, updated in place
+    assert "](data:image/png;base64,iVBORw0KGgo" in curves[0].data and "Step 6: loss" in curves[0].data
+
+
+@pytest.mark.slow
+def test_evaluation_logs_progress_and_a_readable_metrics_line(first_run: dict[str, Any]) -> None:
+    lines = [line for line in first_run["logs"] if line.startswith("evaluate_adapter:")]
+    assert any("base model: eval loss" in line for line in lines), lines
+    assert any("tuned model: 4 answers generated" in line for line in lines), lines
+    summary = next(line for line in lines if "eval loss base" in line)
+    assert "% lower), perplexity" in summary and "4 greedy answers: exact match" in summary
+    assert "{" not in summary  # no raw JSON
+
+
+@pytest.mark.slow
+def test_a_cached_run_reports_the_registry_as_it_is_now(first_run: dict[str, Any]) -> None:
+    """Another run promotes a better version after ours; re-running ours (every stage cached) must report
+    that champion, as champion.json says, in its summary and in a fresh eval-metrics table."""
+    from tasks.export_adapter import registry
+
+    first = first_run["summary"]["metrics"]
+    assert (first["export_version"], first["promotion"], first["champion_version"]) == ("v0001", "promoted", "v0001")
+    assert first["export_published"] == "by this run"
+    root = registry.registry_dir(first_run["runs_dir"], "gate")
+    better = {**json.loads((root / "v0001" / "version.json").read_text())["metrics"]}
+    better["tuned_eval_loss"] *= 0.5
+    source = Path(first_run["summary"]["export_dir"])
+    registry.publish(root, source, "another-run", better, 0.01, "data", lambda folder, record: "card")
+    champion = json.loads((root / "champion.json").read_text())
+    assert champion["version"] == "v0002"
+
+    again = run_flow(first_run["overrides"])
+    assert set(statuses(again).values()) == {"cached"}
+    m = again["metrics"]
+    assert (m["export_version"], m["promotion"], m["export_published"]) == ("v0001", "promoted", "by an earlier run")
+    assert (m["champion_version"], m["champion_tuned_eval_loss"]) == (champion["version"],
+                                                                      champion["metrics"]["tuned_eval_loss"])
+    tables = _artifacts(_run_prefix(again), "eval-metrics")
+    assert len(tables) == 1
+    rows = {row["model"]: row for row in json.loads(tables[0].data)}
+    assert rows["champion now (v0002)"]["eval loss"] == f"{champion['metrics']['tuned_eval_loss']:.4f}"
+    assert rows["tuned (v0001, promoted)"]["eval loss"] == f"{first['tuned_eval_loss']:.4f}"
+    assert "Champion now: v0002" in tables[0].description
+
+
+def test_a_retried_attempt_updates_the_runs_one_progress_bar(prefect_env: Path) -> None:
+    from prefect import flow
+
+    from tasks.artifacts import TrainingProgress
+
+    @flow
+    def two_attempts() -> str:
+        TrainingProgress().update(3, 10, "first attempt, killed at step 3")
+        TrainingProgress().update(10, 10, "second attempt, resumed")  # a new process: a new TrainingProgress
+        from prefect.runtime import flow_run
+
+        return flow_run.id
+
+    progress = _artifacts(two_attempts(), "train-progress")
+    assert [(p.data, p.description) for p in progress] == [(100.0, "second attempt, resumed")]
+
+
+def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path) -> None:
+    from prefect import flow, get_client, task
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from tasks.log import quiet_user_errors
+
+    @task
+    def bad_stage() -> None:
+        raise UserError("lora.target_modules names x_proj, which the model does not have.")
+
+    @flow(on_running=[quiet_user_errors])
+    def user_error() -> None:
+        bad_stage()
+
+    state = user_error(return_state=True)
+    assert state.is_failed()
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.flush()  # the API log handler sends in batches
+    with get_client(sync_client=True) as client:
+        client_logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])))
+    text = "\n".join(log.message for log in client_logs)
+    assert "x_proj" in text and "Traceback" not in text, text

@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 
@@ -140,3 +141,47 @@ def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path)
             any_=[state.state_details.flow_run_id])))
     text = "\n".join(log.message for log in client_logs)
     assert "x_proj" in text and "Traceback" not in text, text
+
+
+def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another run holds the GPU slot: training logs that it waits and its task run shows "Waiting for GPU"."""
+    import threading
+    import time
+
+    from prefect import flow, get_client, task
+    from prefect.concurrency.sync import concurrency
+    from prefect.runtime import task_run
+
+    from tasks.limits import GPU_LIMIT, WAITING_STATE, gpu_slot
+
+    held, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with concurrency(GPU_LIMIT, occupy=1, strict=True, lease_duration=60):
+            held.set()
+            release.wait(60)
+
+    @task
+    def train() -> str:
+        with gpu_slot():
+            return str(task_run.id)
+
+    @flow
+    def waits() -> str:
+        return train()
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    assert held.wait(30)
+    threading.Timer(8, release.set).start()  # the other run ends after a while
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        task_run_id = waits()
+    holder.join()
+    assert time.monotonic() - start >= 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for the GPU" in m and GPU_LIMIT in m for m in messages), messages
+    assert any("took the GPU slot after waiting" in m for m in messages), messages
+    with get_client(sync_client=True) as client:
+        names = [s.name for s in client.read_task_run_states(UUID(task_run_id))]
+    assert names[-3:] == [WAITING_STATE, "Running", "Completed"], names

@@ -37,8 +37,42 @@ def _in_checkout(value: str) -> str:
 InCheckout = Annotated[str, AfterValidator(_in_checkout)]
 
 
+# Titles the UI form shows (pydantic would show "R", "Bf16", "Bnb 4Bit Quant Type"); other fields get their
+# name in words. The YAML and --set names stay the field names.
+_TITLES = {
+    "runs_dir": "Runs folder", "source": "Data source", "max_seq_length": "Max tokens per example",
+    "base_model": "Base model", "bnb_4bit_quant_type": "4-bit quantization type",
+    "bnb_4bit_use_double_quant": "Double quantization", "bnb_4bit_compute_dtype": "Compute dtype",
+    "bnb_4bit_quant_storage": "4-bit storage dtype", "attn_implementation": "Attention kernel",
+    "r": "LoRA rank (r)", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout", "bias": "Trained biases",
+    "max_steps": "Max optimizer steps", "num_train_epochs": "Epochs", "per_device_train_batch_size": "Micro-batch size",
+    "per_device_eval_batch_size": "Eval batch size", "optim": "Optimizer", "bf16": "bf16 mixed precision",
+    "lr_scheduler_type": "Learning-rate schedule", "num_gpus": "GPUs", "fsdp": "FSDP sharding",
+    "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
+    "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
+}
+_WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
+          "fp32": "fp32", "bf16": "bf16"}
+
+
+def _title(name: str, _info: object) -> str:
+    words = [_WORDS.get(w, w) for w in name.split("_")]
+    return _TITLES.get(name) or " ".join([words[0][:1].upper() + words[0][1:], *words[1:]])
+
+
+def _show_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Put list and dict defaults (default_factory) into the JSON schema, so the UI form shows them filled in
+    (pydantic leaves them out: the form showed "No items in this list" for target_modules)."""
+    for name, info in model.model_fields.items():
+        if info.default_factory is not None and name in schema.get("properties", {}):
+            value = info.get_default(call_default_factory=True)
+            if isinstance(value, (list, dict)):
+                schema["properties"][name]["default"] = value
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_title,
+                              json_schema_extra=_show_factory_defaults)
 
 
 class DataArgs(_Section):
@@ -323,13 +357,21 @@ class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
     runs_dir: Path = Field(Path("runs"), description="Folder for stage outputs, shared between runs.")
-    data: DataArgs = Field(default_factory=DataArgs)
-    model: ModelArgs = Field(default_factory=ModelArgs)
-    lora: LoraArgs = Field(default_factory=LoraArgs)
-    train: TrainArgs = Field(default_factory=TrainArgs)
-    speed: SpeedArgs = Field(default_factory=SpeedArgs)
-    eval: EvalArgs = Field(default_factory=EvalArgs)
-    export: ExportArgs = Field(default_factory=ExportArgs)
+    data: DataArgs = Field(default_factory=DataArgs, title="Data", description="What to train on: the source, its "
+                           "format and how examples are cut; source is the field most runs change.")
+    model: ModelArgs = Field(default_factory=ModelArgs, title="Base model", description="The model to adapt and how "
+                             "it is quantized to 4 bits; the quantization fields rarely need changing.")
+    lora: LoraArgs = Field(default_factory=LoraArgs, title="LoRA adapter", description="Which layers get adapters "
+                           "and their size (peft's LoraConfig).")
+    train: TrainArgs = Field(default_factory=TrainArgs, title="Training", description="Steps, batch size, learning "
+                             "rate, checkpoints (the transformers Trainer's own fields).")
+    speed: SpeedArgs = Field(default_factory=SpeedArgs, title="Speed and memory (advanced)", description="How "
+                             "training runs, not what it computes: GPUs, packing, offloading, fused kernels. The "
+                             "defaults pick what the hardware supports; change them only to tune speed or memory.")
+    eval: EvalArgs = Field(default_factory=EvalArgs, title="Evaluation", description="Held-out loss, greedy answers "
+                           "scored against references, optional lm-evaluation-harness tasks.")
+    export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
+                               "name the adapter is published under and the gate that makes it champion.")
 
     @model_validator(mode="after")
     def _check_target_modules(self) -> RunConfig:

@@ -185,3 +185,23 @@ def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.Log
     with get_client(sync_client=True) as client:
         names = [s.name for s in client.read_task_run_states(UUID(task_run_id))]
     assert names[-3:] == [WAITING_STATE, "Running", "Completed"], names
+
+
+def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> None:
+    """The schema Prefect builds for the UI form (the same call `prefect deploy` makes)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    defs = schema["definitions"]
+    config = defs["RunConfig"]["properties"]
+    assert {name: config[name]["title"] for name in ("lora", "speed")} == {"lora": "LoRA adapter",
+                                                                          "speed": "Speed and memory (advanced)"}
+    assert all(config[name].get("description") for name in config)  # every section says what it holds
+    lora = defs["LoraArgs"]["properties"]
+    assert lora["r"]["title"] == "LoRA rank (r)" and lora["target_modules"]["default"][0] == "q_proj"
+    assert defs["TrainArgs"]["properties"]["bf16"]["title"] == "bf16 mixed precision"
+    assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
+    titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]
+    assert not [t for t in titles if t in ("R", "Bf16", "Bnb 4Bit Quant Type")]

@@ -5,6 +5,7 @@ Idempotent: each step creates what is missing and leaves what exists.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from tasks.limits import GPU_LIMIT
 HERE = Path(__file__).resolve().parent
 WORK_POOL = "qlora-process"
 NOTIFY_BLOCK = "qlora-pipeline-alerts"
+ROOT_VARIABLE = "QLORA_PIPELINE_ROOT"  # the checkout a worker runs flows in (prefect.yaml's pull step)
 
 
 def ensure_gpu_limit() -> str:
@@ -98,4 +100,12 @@ def deploy(git: str | None = None, branch: str | None = None) -> int:
             prefect_file.write_text(yaml.safe_dump(spec, sort_keys=False))
         command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
                    str(prefect_file)]
-        return subprocess.call(command, cwd=PROJECT_ROOT)
+        # QLORA_PIPELINE_ROOT unset: `prefect deploy` then stores the placeholder, resolved by each worker
+        env = {k: v for k, v in os.environ.items() if k != ROOT_VARIABLE}
+        return subprocess.call(command, cwd=PROJECT_ROOT, env=env)
+
+
+def worker(pool: str, extra: list[str]) -> int:
+    """`prefect worker start --pool POOL` with QLORA_PIPELINE_ROOT set to this checkout (the pull step's directory)."""
+    env = {**os.environ, ROOT_VARIABLE: str(PROJECT_ROOT)}
+    return subprocess.call([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env=env)

@@ -69,9 +69,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         _wait_healthy(port)
         for args in (["setup", "--notify-url", f"http://127.0.0.1:{hook.server_port}/hook"], ["deploy"]):
             _cli(args, env, cwd=home)  # from any directory
-        # the deployments' pull step is relative: the worker runs flows in the checkout it was started in
-        procs.append(_start(["prefect", "worker", "start", "--pool", "qlora-process", "--limit", "1"], env,
-                            logs / "worker.log", cwd=PROJECT_ROOT))
+        # the worker runs flows in its own checkout, whatever its working directory
+        procs.append(_start(["python", "-m", "deployments.cli", "worker", "--limit", "1"], env, logs / "worker.log"))
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):  # this process's client too
@@ -267,6 +266,7 @@ def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any],
                 dep = client.read_deployment_by_name("qlora-pipeline/embedded-default")
             stored = json.dumps([dep.pull_steps, dep.parameter_openapi_schema, dep.parameters])
             assert str(PROJECT_ROOT) not in stored and (str(copy) not in stored or "--git" in deploy), stored
+            assert "--git" in deploy or "{{ $QLORA_PIPELINE_ROOT }}" in stored  # resolved by each worker
             assert ("git_clone" in stored) == ("--git" in deploy)
             run = _wait(_start_run("embedded-default", _config(tmp_path / "runs", data)))
             assert run.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]

@@ -205,3 +205,27 @@ def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> 
     assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
     titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]
     assert not [t for t in titles if t in ("R", "Bf16", "Bnb 4Bit Quant Type")]
+
+
+def test_watch_prints_artifact_contents_not_ids(prefect_env: Path) -> None:
+    from prefect import flow
+    from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
+    from prefect.runtime import flow_run
+
+    from deployments.watch import watch
+
+    @flow
+    def with_artifacts() -> str:
+        create_markdown_artifact("## Loss\n\n![training loss](data:image/png;base64,iVBORw0KGgo" + "A" * 4000 + ")",
+                                 key="loss-curve", description="Training loss")
+        create_table_artifact([{"model": "base", "eval loss": "2.1000"}, {"model": "tuned", "eval loss": "1.2000"}],
+                              key="eval-metrics", description="v0001 promoted")
+        create_progress_artifact(100.0, key="train-progress", description="done: 6/6 steps")
+        return flow_run.id
+
+    lines: list[str] = []
+    assert watch(with_artifacts(), out=lines.append, poll_seconds=0.1) == "COMPLETED"
+    text = "\n".join(lines)
+    assert "[image: training loss, 2 KiB PNG" in text and "base64" not in text
+    assert "tuned  1.2000" in text and "train-progress: 100% done: 6/6 steps" in text
+    assert lines[-1] == "state: Completed"

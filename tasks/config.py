@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
@@ -34,7 +34,16 @@ def _in_checkout(value: str) -> str:
     return value
 
 
-InCheckout = Annotated[str, AfterValidator(_in_checkout)]
+def _as_in_checkout(value: str) -> str:
+    """Written back relative when it is in this checkout's data/: the UI form's defaults (from a dump of the
+    default config) and the cache keys then hold no path of the machine that made them."""
+    path = Path(value)
+    if path.is_absolute() and path.is_relative_to(PROJECT_ROOT / "data"):
+        return str(path.relative_to(PROJECT_ROOT))
+    return value
+
+
+InCheckout = Annotated[str, AfterValidator(_in_checkout), PlainSerializer(_as_in_checkout, return_type=str)]
 
 
 # Titles the UI form shows (pydantic would show "R", "Bf16", "Bnb 4Bit Quant Type"); other fields get their

@@ -108,4 +108,5 @@ def deploy(git: str | None = None, branch: str | None = None) -> int:
 def worker(pool: str, extra: list[str]) -> int:
     """`prefect worker start --pool POOL` with QLORA_PIPELINE_ROOT set to this checkout (the pull step's directory)."""
     env = {**os.environ, ROOT_VARIABLE: str(PROJECT_ROOT)}
-    return subprocess.call([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env=env)
+    # exec, not a child: signals meant for the worker (Ctrl-C, a service manager's stop) reach it
+    os.execve(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env)

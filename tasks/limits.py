@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 from uuid import UUID
 
 from tasks.errors import UserError
@@ -12,7 +13,6 @@ from tasks.log import current_run_attempt, logger
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts
-QUICK_TRY_SECONDS = 2  # a free slot is taken at once; past this, the run says it waits
 WAITING_STATE = "Waiting for GPU"
 
 
@@ -45,11 +45,9 @@ def gpu_slot() -> Iterator[None]:
     options = {"occupy": 1, "strict": True, "lease_duration": LEASE_SECONDS, "raise_on_lease_renewal_failure": False}
     with ExitStack() as held:
         try:
-            try:
-                held.enter_context(concurrency(GPU_LIMIT, timeout_seconds=QUICK_TRY_SECONDS, **options))
-            except TimeoutError:
-                started = _say_waiting()
-                held.enter_context(concurrency(GPU_LIMIT, **options))
+            started = _say_waiting() if _slot_taken() else None
+            held.enter_context(concurrency(GPU_LIMIT, **options))
+            if started is not None:
                 _say_running(started)
         except Exception as exc:
             if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
@@ -58,6 +56,19 @@ def gpu_slot() -> Iterator[None]:
                             f"{exc}. If the limit does not exist on this Prefect server, run `qlora-pipeline "
                             "setup` once.") from exc
         yield
+
+
+def _slot_taken() -> bool:
+    """True when another run holds the slot now (a timed acquire instead would log an ERROR when it times out)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:  # the strict acquisition says what to do
+            return False
+    return limit.active_slots >= limit.limit
 
 
 def _say_waiting() -> float:
@@ -77,10 +88,23 @@ def _say_running(started: float) -> None:
     _set_task_state(Running())
 
 
-def _set_task_state(state: object) -> None:
+def _set_task_state(state: Any) -> None:
     from prefect import get_client
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.runtime import task_run
 
-    if task_run.id:
-        with get_client(sync_client=True) as client:
-            client.set_task_run_state(UUID(str(task_run.id)), state, force=True)
+    if not task_run.id:
+        return
+    deadline = time.monotonic() + 30  # the server records a new task run from its events, a moment later
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.set_task_run_state(UUID(str(task_run.id)), state, force=True)
+                return
+            except (ObjectNotFound, PrefectHTTPStatusError) as exc:
+                if getattr(getattr(exc, "response", None), "status_code", 404) != 404:
+                    raise
+                if time.monotonic() > deadline:
+                    logger().warning("train_adapter: could not show the state %r in the UI", state.name)
+                    return
+                time.sleep(0.5)

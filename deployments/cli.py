@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(config, args.cron, args.timezone)
     if args.command == "start":
-        return _start(args.deployment, config, args.watch)
+        return _start_deployment(args.deployment, config, args.watch)
     return _run(config, as_json=args.json)
 
 
@@ -123,7 +123,7 @@ def _serve(config: Any, cron: str, timezone: str) -> int:
     return 0
 
 
-def _start(deployment: str, config: Any, follow: bool) -> int:
+def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
     from prefect.utilities.urls import url_for
 
     from deployments.watch import start, watch

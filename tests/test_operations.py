@@ -73,7 +73,7 @@ def test_evaluation_logs_progress_and_a_readable_metrics_line(first_run: dict[st
 def test_a_cached_run_reports_the_registry_as_it_is_now(first_run: dict[str, Any]) -> None:
     """Another run promotes a better version after ours; re-running ours (every stage cached) must report
     that champion, as champion.json says, in its summary and in a fresh eval-metrics table."""
-    from tasks.export_adapter import registry
+    from tasks import registry
 
     first = first_run["summary"]["metrics"]
     assert (first["export_version"], first["promotion"], first["champion_version"]) == ("v0001", "promoted", "v0001")
@@ -200,7 +200,8 @@ def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> 
                                                                           "speed": "Speed and memory (advanced)"}
     assert all(config[name].get("description") for name in config)  # every section says what it holds
     lora = defs["LoraArgs"]["properties"]
-    assert lora["r"]["title"] == "LoRA rank (r)" and lora["target_modules"]["default"][0] == "q_proj"
+    assert lora["r"]["title"] == "LoRA rank (r)" and lora["target_modules"]["default"] == "all-linear"
+    assert defs["EvalArgs"]["properties"]["lm_eval_tasks"]["default"] == []  # a default_factory, shown too
     assert defs["TrainArgs"]["properties"]["bf16"]["title"] == "bf16 mixed precision"
     assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
     titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]

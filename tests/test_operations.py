@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -81,7 +82,8 @@ def test_a_cached_run_reports_the_registry_as_it_is_now(first_run: dict[str, Any
     root = registry.registry_dir(first_run["runs_dir"], "gate")
     better = {**json.loads((root / "v0001" / "version.json").read_text())["metrics"]}
     better["tuned_eval_loss"] *= 0.5
-    source = Path(first_run["summary"]["export_dir"])
+    source = first_run["runs_dir"] / "another-runs-export"  # publishing writes into its stage folder: a copy
+    shutil.copytree(first_run["summary"]["export_dir"], source, ignore=shutil.ignore_patterns("published"))
     registry.publish(root, source, "another-run", better, 0.01, "data", lambda folder, record: "card")
     champion = json.loads((root / "champion.json").read_text())
     assert champion["version"] == "v0002"

@@ -2,9 +2,11 @@
 
     qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
+    qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
     qlora-pipeline presets
     qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
-    qlora-pipeline deploy                       # register deployments/prefect.yaml
+    qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
+    qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import textwrap
@@ -30,8 +31,12 @@ _SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect AP
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qlora-pipeline", description="QLoRA fine-tuning as a Prefect flow.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("run", "run the pipeline"), ("validate", "check a config and print it")):
+    for name, help_text in (("run", "run the pipeline"), ("validate", "check a config and print it"),
+                            ("start", "start a run of a deployment on the server (what the UI's Run does)")):
         cmd = sub.add_parser(name, help=help_text)
+        if name == "start":
+            cmd.add_argument("deployment", help="deployment name, e.g. nightly or embedded-default")
+            cmd.add_argument("--watch", action="store_true", help="follow the run: states and artifact contents")
         cmd.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
         cmd.add_argument("--preset", help="a preset from data/presets (see `qlora-pipeline presets`)")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -41,7 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the presets")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
-    sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
+    deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
+    deploy.add_argument("--git", metavar="URL", help="flow runs clone this repository instead of running in the "
+                        "worker's checkout (the worker's directory)")
+    deploy.add_argument("--branch", help="with --git: the branch or tag to clone")
+    worker = sub.add_parser("worker", help="start a Prefect worker that runs flows in this checkout")
+    worker.add_argument("--pool", default="qlora-process", help="work pool (default: qlora-process)")
+    worker.add_argument("--limit", help="most flow runs at a time")
     serve = sub.add_parser("serve", help="serve the flow in this process, with its nightly schedule")
     serve.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
     serve.add_argument("--preset", help="a preset from data/presets")
@@ -59,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     # machine need longer (they died at 20 s: "Timed out while attempting to connect to ephemeral ...")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_S))
     args = _parser().parse_args(argv)
+    if args.command == "worker":
+        from deployments import setup
+
+        return setup.worker(args.pool, ["--limit", args.limit] if args.limit else [])
     if args.command in ("setup", "deploy"):
         return _setup(args)
     if args.command == "presets":
@@ -76,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(config, args.cron, args.timezone)
+    if args.command == "start":
+        return _start_deployment(args.deployment, config, args.watch)
     return _run(config, as_json=args.json)
 
 
@@ -83,7 +100,7 @@ def _setup(args: argparse.Namespace) -> int:
     from deployments import setup
 
     if args.command == "deploy":
-        return setup.deploy()
+        return setup.deploy(args.git, args.branch)
     print(setup.ensure_work_pool())
     print(setup.ensure_gpu_limit())
     if args.notify_url:
@@ -104,6 +121,19 @@ def _serve(config: Any, cron: str, timezone: str) -> int:
     schedules = [Cron(cron, timezone=timezone)] if cron else []
     qlora_pipeline.serve(name="served", parameters={"config": config.model_dump(mode="json")}, schedules=schedules)
     return 0
+
+
+def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
+    from prefect.utilities.urls import url_for
+
+    from deployments.watch import start, watch
+
+    # only what was set: defaults (paths in the checkout among them) are the worker's own
+    run = start(deployment, config.model_dump(mode="json", exclude_unset=True))
+    print(f"started flow run {run.name} ({run.id}): {url_for(run, url_type='ui') or ''}".rstrip(": "))
+    if not follow:
+        return 0
+    return 0 if watch(run.id) == "COMPLETED" else 1
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -139,9 +169,10 @@ def _run(config: Any, as_json: bool) -> int:
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
+    from tasks.log import quiet_user_errors
     from tasks.manifest import check_runs_dir
 
-    _quiet_user_errors()
+    quiet_user_errors()
     if uses_server():
         ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
@@ -182,26 +213,6 @@ def _user_error(message: str) -> int:
     return USER_ERROR_EXIT
 
 
-class _DropUserErrorTraceback(logging.Filter):
-    """Prefect logs a failed task with its traceback; for a user error the message alone is the help."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from tasks.errors import UserError
-
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _quiet_user_errors() -> None:
-    from prefect.logging.configuration import setup_logging
-
-    setup_logging()
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_DropUserErrorTraceback())
-
-
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
@@ -214,8 +225,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
     if "promotion" in m:
-        print(f"export {m['export_version']} {m['promotion']}: {m['promotion_reason']}\n"
-              f"champion: {m['champion_version']}; this version: {m['export_path']}")
+        print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}: "
+              f"{m['promotion_reason']}\nchampion now: {m['champion_version'] or 'none'}; this version: "
+              f"{m['export_path']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
 
 

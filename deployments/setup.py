@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -18,6 +19,7 @@ from tasks.limits import GPU_LIMIT
 HERE = Path(__file__).resolve().parent
 WORK_POOL = "qlora-process"
 NOTIFY_BLOCK = "qlora-pipeline-alerts"
+ROOT_VARIABLE = "QLORA_PIPELINE_ROOT"  # the checkout a worker runs flows in (prefect.yaml's pull step)
 
 
 def ensure_gpu_limit() -> str:
@@ -83,9 +85,28 @@ def redact(url: str) -> str:
     return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}/***"
 
 
-def deploy() -> int:
-    """Register the deployments in deployments/prefect.yaml (from the repository root)."""
-    env = {**os.environ, "QLORA_PIPELINE_ROOT": str(PROJECT_ROOT)}
-    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all",
-               "--prefect-file", str(HERE / "prefect.yaml")]
-    return subprocess.call(command, cwd=PROJECT_ROOT, env=env)
+def deploy(git: str | None = None, branch: str | None = None) -> int:
+    """Register the deployments in deployments/prefect.yaml (from the repository root).
+
+    With `git`, each flow run clones that repository (at `branch`) instead of running in the worker's checkout.
+    """
+    prefect_file = HERE / "prefect.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        if git:
+            spec = yaml.safe_load(prefect_file.read_text())
+            spec["pull"] = [{"prefect.deployments.steps.git_clone": {"repository": git,
+                                                                     **({"branch": branch} if branch else {})}}]
+            prefect_file = Path(tmp) / "prefect.yaml"
+            prefect_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+        command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                   str(prefect_file)]
+        # QLORA_PIPELINE_ROOT unset: `prefect deploy` then stores the placeholder, resolved by each worker
+        env = {k: v for k, v in os.environ.items() if k != ROOT_VARIABLE}
+        return subprocess.call(command, cwd=PROJECT_ROOT, env=env)
+
+
+def worker(pool: str, extra: list[str]) -> int:
+    """`prefect worker start --pool POOL` with QLORA_PIPELINE_ROOT set to this checkout (the pull step's directory)."""
+    env = {**os.environ, ROOT_VARIABLE: str(PROJECT_ROOT)}
+    # exec, not a child: signals meant for the worker (Ctrl-C, a service manager's stop) reach it
+    os.execve(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env)

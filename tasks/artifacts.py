@@ -5,6 +5,7 @@ Every function here is a no-op outside a flow run (a stage called through .fn() 
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,33 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _upsert(key: str, kind: str, data: Any, description: str, flow_run_id: Any = None) -> Any:
+    """Update this flow run's artifact under `key` (a retry finds the earlier attempt's), else create it; its id.
+
+    One artifact per key and run, updated in place, so a retried run has one progress bar, not a frozen one
+    beside a live one.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.runtime import flow_run, task_run
+
+    flow_run_id = flow_run_id or flow_run.id
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+        if found:
+            client.update_artifact(found[0].id, ArtifactUpdate(data=data, description=description))
+            return found[0].id
+        return client.create_artifact(ArtifactCreate(key=key, type=kind, data=data, description=description,
+                                                     flow_run_id=flow_run_id,
+                                                     task_run_id=task_run.id or None)).id
+
+
 class TrainingProgress:
-    """A progress artifact updated while training (step / total, loss, tokens/s, ETA)."""
+    """A progress artifact updated while training (step / total, loss, tokens/s, ETA); one per flow run."""
 
     def __init__(self) -> None:
         self.artifact_id = None
@@ -58,17 +84,27 @@ class TrainingProgress:
     def update(self, step: int, total: int, text: str) -> None:
         if not _in_run() or total <= 0:
             return
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        from prefect import get_client
+        from prefect.client.schemas.actions import ArtifactUpdate
 
-        percent = 100.0 * step / total
+        percent = min(100.0, 100.0 * step / total)
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(progress=percent, key="train-progress", description=text)
-        else:
-            update_progress_artifact(self.artifact_id, progress=percent, description=text)
+            self.artifact_id = _upsert("train-progress", "progress", percent, text)
+            return
+        with get_client(sync_client=True) as client:
+            client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent, description=text))
 
 
-def loss_curve(loss_jsonl: Path, png: Path) -> Path | None:
-    """Plot loss.jsonl to a PNG and link it from the run; None when there is nothing to plot."""
+def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training loss per optimizer step"
+               ) -> bytes | None:
+    """Plot loss.jsonl (to `png` when given) and show it in the run as a markdown artifact with the image inline.
+
+    Inline (a data: URI) because the browser then loads it from the Prefect server's own page; a file:// link
+    to the worker's disk is refused by browsers. Called during training too: the run's one `loss-curve`
+    artifact is updated in place. The PNG bytes, or None when there is nothing to plot yet.
+    """
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and workers
@@ -77,32 +113,64 @@ def loss_curve(loss_jsonl: Path, png: Path) -> Path | None:
     entries = [json.loads(line) for line in loss_jsonl.read_text().splitlines() if line.strip()]
     if not entries:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries])
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=80)
+    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="." if len(entries) < 50 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
+    image = buffer.getvalue()
+    if png is not None:
+        png.write_bytes(image)
     if _in_run():
-        from prefect.artifacts import create_link_artifact
-
-        create_link_artifact(link=png.resolve().as_uri(), link_text=str(png), key="loss-curve",
-                             description="Training loss per optimizer step (PNG in the run folder)")
-    return png
-
+        last = entries[-1]
+        markdown = (f"## {title}\n\n![training loss](data:image/png;base64,{base64.b64encode(image).decode()})"
+                    f"\n\nStep {last['step']}: loss {last['loss']:.4f} ({len(entries)} logged steps)."
+                    + (f" PNG on the worker: `{png}`\n" if png is not None else "\n"))
+        _upsert("loss-curve", "markdown", markdown, f"{title} (step {last['step']})")
+    return image
 
 def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow on_failure hook: a markdown artifact that says what failed and how to resume."""
-    from prefect.artifacts import create_markdown_artifact
+    """Flow on_failure and on_crashed hook: end the run's unfinished task runs; say what failed and how to resume.
+
+    A crash (the flow-run process killed: OOM killer, pre-empted node, kill -9) leaves no process to finish
+    its task runs, so the worker runs this hook: the task runs still Pending or Running become Crashed, and
+    the artifact names the stage that was running. Written through the client with the flow run's id, because
+    in the worker there is no flow-run context.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
 
     message = state.message or "no message"
-    markdown = (
-        f"## qlora-pipeline run `{flow_run.name}` failed\n\n{message}\n\n"
-        "Stages that finished keep their folders (runs_dir/<stage>/<key>/, each with manifest.json) and are "
-        "reused. Fix the cause (the message above says what to change), then press **Retry** on this run, run "
-        "`prefect flow-run retry " + str(flow_run.id) + "`, or start the same config again: training resumes from "
-        "its latest checkpoint.\n"
-    )
-    create_markdown_artifact(markdown=markdown, key="run-failure", description="Why this run failed")
+    with get_client(sync_client=True) as client:
+        interrupted = _end_task_runs(client, flow_run.id, message) if state.is_crashed() else []
+        verb = "crashed" if state.is_crashed() else "failed"
+        during = f" during {', '.join(interrupted)}" if interrupted else ""
+        markdown = (
+            f"## qlora-pipeline run `{flow_run.name}` {verb}{during}\n\n{message}\n\n"
+            "Stages that finished keep their folders (runs_dir/<stage>/<key>/, each with manifest.json) and are "
+            "reused. Fix the cause (the message above says what to change), then press **Retry** on this run, run "
+            f"`prefect flow-run retry {flow_run.id}`, or start the same config again: training resumes from "
+            "its latest checkpoint.\n"
+        )
+        client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", data=markdown,
+                                              description=f"Why this run {verb}", flow_run_id=flow_run.id))
+
+
+def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:
+    """Set the flow run's task runs that are not in a final state to Crashed; the names of those that were Running."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Crashed
+
+    runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    running = []
+    for run in runs:
+        if run.state is None or run.state.is_final():
+            continue
+        if run.state.is_running():
+            running.append(run.name.rsplit("-", 1)[0])
+        client.set_task_run_state(run.id, Crashed(message=f"The flow run crashed: {message}"), force=True)
+    return running

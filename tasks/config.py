@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
@@ -21,15 +21,74 @@ EMBEDDED_MODEL = PROJECT_ROOT / "data" / "tiny-llama"
 PRESETS_DIR = PROJECT_ROOT / "data" / "presets"
 
 
+def _in_checkout(value: str) -> str:
+    """A relative path that exists in this checkout but not in the working directory: this checkout's file.
+
+    The defaults name the embedded model and data relative to the repository, so the UI form of a deployment
+    shows the same defaults whichever path the repository was deployed from, and the worker resolves them in
+    its own checkout.
+    """
+    path, ours = Path(value).expanduser(), PROJECT_ROOT / value
+    if not path.is_absolute() and ours.exists() and (not path.exists() or path.resolve() == ours.resolve()):
+        return str(ours)
+    return value
+
+
+def _as_in_checkout(value: str) -> str:
+    """Written back relative when it is in this checkout's data/: the UI form's defaults (from a dump of the
+    default config) and the cache keys then hold no path of the machine that made them."""
+    path = Path(value)
+    if path.is_absolute() and path.is_relative_to(PROJECT_ROOT / "data"):
+        return str(path.relative_to(PROJECT_ROOT))
+    return value
+
+
+InCheckout = Annotated[str, AfterValidator(_in_checkout), PlainSerializer(_as_in_checkout, return_type=str)]
+
+
+# Titles the UI form shows (pydantic would show "R", "Bf16", "Bnb 4Bit Quant Type"); other fields get their
+# name in words. The YAML and --set names stay the field names.
+_TITLES = {
+    "runs_dir": "Runs folder", "source": "Data source", "max_seq_length": "Max tokens per example",
+    "base_model": "Base model", "bnb_4bit_quant_type": "4-bit quantization type",
+    "bnb_4bit_use_double_quant": "Double quantization", "bnb_4bit_compute_dtype": "Compute dtype",
+    "bnb_4bit_quant_storage": "4-bit storage dtype", "attn_implementation": "Attention kernel",
+    "r": "LoRA rank (r)", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout", "bias": "Trained biases",
+    "max_steps": "Max optimizer steps", "num_train_epochs": "Epochs", "per_device_train_batch_size": "Micro-batch size",
+    "per_device_eval_batch_size": "Eval batch size", "optim": "Optimizer", "bf16": "bf16 mixed precision",
+    "lr_scheduler_type": "Learning-rate schedule", "num_gpus": "GPUs", "fsdp": "FSDP sharding",
+    "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
+    "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
+}
+_WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
+          "fp32": "fp32", "bf16": "bf16"}
+
+
+def _title(name: str, _info: object) -> str:
+    words = [_WORDS.get(w, w) for w in name.split("_")]
+    return _TITLES.get(name) or " ".join([words[0][:1].upper() + words[0][1:], *words[1:]])
+
+
+def _show_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Put list and dict defaults (default_factory) into the JSON schema, so the UI form shows them filled in
+    (pydantic leaves them out: the form showed "No items in this list" for target_modules)."""
+    for name, info in model.model_fields.items():
+        if info.default_factory is not None and name in schema.get("properties", {}):
+            value = info.get_default(call_default_factory=True)
+            if isinstance(value, (list, dict)):
+                schema["properties"][name]["default"] = value
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_title,
+                              json_schema_extra=_show_factory_defaults)
 
 
 class DataArgs(_Section):
     """The dataset: where it is, its format, how it is cut and split (stage prepare_data)."""
 
-    source: str = Field(
-        str(EMBEDDED_DATA),
+    source: InCheckout = Field(
+        str(EMBEDDED_DATA.relative_to(PROJECT_ROOT)), validate_default=True,
         description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
         "(s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
     )
@@ -79,7 +138,8 @@ class DataArgs(_Section):
 class ModelArgs(_Section):
     """The base model and its 4-bit quantization (stage prepare_model)."""
 
-    base_model: str = Field(str(EMBEDDED_MODEL), description="A local model folder or a hub model id.")
+    base_model: InCheckout = Field(str(EMBEDDED_MODEL.relative_to(PROJECT_ROOT)), validate_default=True,
+                                   description="A local model folder or a hub model id.")
     revision: str | None = Field(None, description="Hub model revision; None = the default branch.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
@@ -306,13 +366,21 @@ class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
     runs_dir: Path = Field(Path("runs"), description="Folder for stage outputs, shared between runs.")
-    data: DataArgs = Field(default_factory=DataArgs)
-    model: ModelArgs = Field(default_factory=ModelArgs)
-    lora: LoraArgs = Field(default_factory=LoraArgs)
-    train: TrainArgs = Field(default_factory=TrainArgs)
-    speed: SpeedArgs = Field(default_factory=SpeedArgs)
-    eval: EvalArgs = Field(default_factory=EvalArgs)
-    export: ExportArgs = Field(default_factory=ExportArgs)
+    data: DataArgs = Field(default_factory=DataArgs, title="Data", description="What to train on: the source, its "
+                           "format and how examples are cut; source is the field most runs change.")
+    model: ModelArgs = Field(default_factory=ModelArgs, title="Base model", description="The model to adapt and how "
+                             "it is quantized to 4 bits; the quantization fields rarely need changing.")
+    lora: LoraArgs = Field(default_factory=LoraArgs, title="LoRA adapter", description="Which layers get adapters "
+                           "and their size (peft's LoraConfig).")
+    train: TrainArgs = Field(default_factory=TrainArgs, title="Training", description="Steps, batch size, learning "
+                             "rate, checkpoints (the transformers Trainer's own fields).")
+    speed: SpeedArgs = Field(default_factory=SpeedArgs, title="Speed and memory (advanced)", description="How "
+                             "training runs, not what it computes: GPUs, packing, offloading, fused kernels. The "
+                             "defaults pick what the hardware supports; change them only to tune speed or memory.")
+    eval: EvalArgs = Field(default_factory=EvalArgs, title="Evaluation", description="Held-out loss, greedy answers "
+                           "scored against references, optional lm-evaluation-harness tasks.")
+    export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
+                               "name the adapter is published under and the gate that makes it champion.")
 
     @model_validator(mode="after")
     def _check_target_modules(self) -> RunConfig:

@@ -25,3 +25,29 @@ def current_run_attempt() -> str | None:
     except Exception:  # outside any flow run (a stage called through .fn())
         return None
     return f"{run_id}:{flow_run.run_count}" if run_id else None
+
+
+class _DropUserErrorTraceback(logging.Filter):
+    """Prefect logs a failed task with its traceback; for a user error the message alone is the help."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from tasks.errors import UserError
+
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_user_errors(*_hook_args: object, **_hook_kwargs: object) -> None:
+    """Drop the traceback from log lines about a UserError, in the terminal and in the UI's run log (idempotent).
+
+    Also a flow on_running hook, so it holds in flow-run processes that a worker starts.
+    """
+    from prefect.logging.configuration import setup_logging
+
+    if not logging.getLogger("prefect.flow_runs").handlers:  # Prefect's logging is not configured yet
+        setup_logging()
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropUserErrorTraceback) for f in handler.filters):
+                handler.addFilter(_DropUserErrorTraceback())

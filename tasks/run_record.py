@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import registry
+from tasks import artifacts, registry
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt, logger
@@ -34,12 +34,19 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     by_stage = {m.stage: m.metrics.model_dump() for m in manifests}
     # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason, champion_*)
     metrics = {**by_stage["evaluate_adapter"], **by_stage.get("export_adapter", {})}
-    if "export_adapter" in by_stage:
-        metrics.update(registry_now(config, Path(stage_dirs[-1])))
+    if "export_adapter" in by_stage:  # the champion as champion.json says now, not when the export was computed
+        metrics.update(registry_now(config, Path(stage_dirs[-1])),
+                       export_published="by this run" if stages["export_adapter"]["status"] != "cached"
+                       else "by an earlier run")
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
     run_dir.mkdir(parents=True, exist_ok=True)
     train_dir = Path(stages["train_adapter"]["dir"])
     loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png")
+    if "promotion" in metrics:  # every run, cached or not: the nightly report is right when nothing changed
+        champion = registry.champion(registry.registry_dir(config.runs_dir, config.export.name))
+        artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "
+                        f"{metrics['export_version']} {metrics['promotion']}: {metrics['promotion_reason']} "
+                        f"Champion now: {metrics['champion_version'] or 'none'}.")
     (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
                                                  indent=2))
     return summary
@@ -52,3 +59,21 @@ def registry_now(config: RunConfig, export_dir: Path) -> dict[str, Any]:
         logger().warning("registry %s: %s", config.export.name, fixed)
     now = registry.current(root)
     return {"champion_version": now["champion_version"], "champion_tuned_eval_loss": now["champion_tuned_eval_loss"]}
+
+
+_METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
+                ("ROUGE-L", "rouge_l")]
+
+
+def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rows base / tuned (this run's adapter) / the current champion for the eval-metrics table artifact."""
+    rows = [("base", "base", metrics),
+            (f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics)]
+    if champion is not None:
+        rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"]))
+    return [{"model": label, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in _METRIC_ROWS}}
+            for label, prefix, m in rows]
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

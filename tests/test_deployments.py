@@ -56,8 +56,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    # PREFECT_API_URL before the server starts: the UI it serves calls the API there (README: Operating it)
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", PYTHONPATH=str(PROJECT_ROOT))
     hook = HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     logs = home / "logs"
@@ -66,13 +67,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                     logs / "server.log")]
     try:
         _wait_healthy(port)
-        bin_dir = Path(sys.executable).parent
         for args in (["setup", "--notify-url", f"http://127.0.0.1:{hook.server_port}/hook"], ["deploy"]):
-            done = subprocess.run([str(bin_dir / "qlora-pipeline"), *args], env=env, capture_output=True, text=True,
-                                  timeout=300, cwd=home)
-            assert done.returncode == 0, done.stdout + done.stderr
-        procs.append(_start(["prefect", "worker", "start", "--pool", "qlora-process", "--limit", "1"], env,
-                            logs / "worker.log"))
+            _cli(args, env, cwd=home)  # from any directory
+        # the worker runs flows in its own checkout, whatever its working directory
+        procs.append(_start(["python", "-m", "deployments.cli", "worker", "--limit", "1"], env, logs / "worker.log"))
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):  # this process's client too
@@ -88,10 +86,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         hook.shutdown()
 
 
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+def _start(args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
     exe = str(Path(sys.executable).parent / args[0])
     return subprocess.Popen([exe, *args[1:]], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=log.parent)
+                            start_new_session=True, cwd=cwd or log.parent)
+
+
+def _cli(args: list[str], env: dict[str, str], cwd: Path) -> str:
+    """`qlora-pipeline ARGS` of the checkout on env's PYTHONPATH (the console script may belong to another)."""
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def _wait_healthy(port: int, timeout: float = 120) -> None:
@@ -156,6 +162,15 @@ def _artifact_keys(flow_run_id: Any) -> set[str]:
     return {a.key for a in found if a.key}
 
 
+def _artifacts(flow_run_id: Any, key: str) -> list[Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+
+
 def test_deployments_match_the_presets() -> None:
     spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
     by_name = {d["name"]: d for d in spec["deployments"]}
@@ -215,7 +230,48 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     deadline = time.time() + 90  # the automation fires from the server's event stream
     while not any(failed.name in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
         time.sleep(1)
-    assert any(failed.name in m.get("subject", "") for m in server["hook"]), server["hook"]
+    message = next(m for m in server["hook"] if failed.name in m.get("subject", ""))
+    assert str(failed.id) in message["body"]  # the run's id and its page in the UI
+    assert f"http://127.0.0.1:{server['port']}/runs/flow-run/{failed.id}" in message["body"], message
+
+
+def test_the_ui_calls_the_api_of_its_own_port(server: dict[str, Any]) -> None:
+    """On a non-default port the UI works only if PREFECT_API_URL was set before the server started."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/ui-settings", timeout=10) as r:
+        assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{server['port']}/api"
+
+
+def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any], tmp_path: Path) -> None:
+    """Deploying stores no path of the deploying checkout: a copy elsewhere deploys, and the worker (started in
+    its own checkout) runs it; with --git, each run clones the repository instead."""
+    from prefect import get_client
+
+    copy = tmp_path / "elsewhere" / "qlora-pipeline"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=PROJECT_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        if (PROJECT_ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            (copy / name).write_bytes((PROJECT_ROOT / name).read_bytes())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "copy"]):
+        subprocess.run([*git, *args], cwd=copy, check=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    env = {**server["env"], "PYTHONPATH": str(copy)}
+    try:
+        for deploy in (["deploy"], ["deploy", "--git", copy.as_uri(), "--branch", "main"]):
+            _cli(deploy, env, cwd=copy)
+            with get_client(sync_client=True) as client:
+                dep = client.read_deployment_by_name("qlora-pipeline/embedded-default")
+            stored = json.dumps([dep.pull_steps, dep.parameter_openapi_schema, dep.parameters])
+            assert str(PROJECT_ROOT) not in stored and (str(copy) not in stored or "--git" in deploy), stored
+            assert "--git" in deploy or "{{ $QLORA_PIPELINE_ROOT }}" in stored  # resolved by each worker
+            assert ("git_clone" in stored) == ("--git" in deploy)
+            run = _wait(_start_run("embedded-default", _config(tmp_path / "runs", data)))
+            assert run.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
+    finally:
+        _cli(["deploy"], server["env"], cwd=PROJECT_ROOT)  # the module's other tests use the plain deployments
 
 
 def _browser() -> Any:
@@ -228,6 +284,7 @@ def _browser() -> Any:
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1400,2000"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console errors, e.g. a refused image
     options.binary_location = CHROMIUM
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
@@ -261,6 +318,17 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
         for description in ("Folder for stage outputs, shared between runs.", "LoRA rank.",
                             "Optimizer steps between checkpoints.", "4-bit data type."):
             assert description in page  # every section of RunConfig, with its help text
+        for title in ("LoRA adapter", "LoRA rank (r)", "Speed and memory (advanced)", "bf16 mixed precision"):
+            assert title in page  # readable titles, not "R" or "Bf16"
+        text = browser.execute_script("return document.body.innerText")
+        lora = text[text.index("Target modules"):text.index("Trained biases")]
+        assert "No items in this list" not in lora, lora  # target_modules' default is shown, not an empty list
+        values = browser.execute_script("return [...document.querySelectorAll('input, textarea, select')]"
+                                        ".map(e => e.value)")
+        assert "all-linear" in lora or "all-linear" in values, (lora, values)
+        title = browser.find_element(By.XPATH, "//*[starts-with(normalize-space(text()), 'Target modules')]")
+        browser.execute_script("arguments[0].scrollIntoView(true);", title)
+        browser.save_screenshot(str(SCREENSHOTS / "1b-run-form-lora.png"))
         submit = next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Submit")
         browser.execute_script("arguments[0].scrollIntoView(true);", submit)
         submit.click()
@@ -279,5 +347,67 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
         browser.get(f"http://127.0.0.1:{server['port']}/runs/flow-run/{flow_run_id}")
         WebDriverWait(browser, 60).until(lambda b: "Completed" in b.page_source)
         browser.save_screenshot(str(SCREENSHOTS / "3-flow-run-completed.png"))
+        browser.get_log("browser")  # drop what came before
+        for number, key in ((4, "loss-curve"), (5, "train-progress"), (6, "eval-metrics")):
+            (artifact,) = _artifacts(flow_run_id, key)
+            browser.get(f"http://127.0.0.1:{server['port']}/artifacts/artifact/{artifact.id}")
+            if key == "loss-curve":  # the PNG inline in the markdown, loaded by the browser from the page itself
+                WebDriverWait(browser, 60).until(lambda b: b.execute_script(
+                    "return [...document.images].some(i => i.alt === 'training loss' && i.complete "
+                    "&& i.naturalWidth > 300)"))
+            else:
+                time.sleep(3)
+            browser.save_screenshot(str(SCREENSHOTS / f"{number}-artifact-{key}.png"))
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
     finally:
         browser.quit()
+
+
+def _flow_run_pids(flow_run_id: Any) -> list[int]:
+    """The processes a worker started for this flow run (their environment names it)."""
+    marker = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.kill
+def test_a_killed_run_crashes_alerts_and_leaves_no_task_running(server: dict[str, Any], tmp_path: Path) -> None:
+    """kill -9 of the flow-run process during train_adapter (what the OOM killer or a pre-empted node does):
+    the run is Crashed, the worker's on_crashed hook ends the task run and writes run-failure naming the crash,
+    and the automation (Crashed as well as Failed) posts the run's id and link. Last in the module: the killed
+    run's GPU slot stays taken until its lease runs out."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    config = {**_config(tmp_path / "runs", data), "train": {"max_steps": 400, "save_steps": 100, "logging_steps": 1}}
+    run_id = _start_run("embedded-default", config)
+    deadline = time.time() + 300
+    while _task_states(run_id).get("train_adapter", [""])[-1] != "Running":
+        assert time.time() < deadline, _task_states(run_id)
+        time.sleep(1)
+    time.sleep(3)  # training, not starting
+    pids = _flow_run_pids(run_id)
+    assert pids, "no process of the flow run found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+    run = _wait(run_id)
+    assert run.state.type.value == "CRASHED", run.state
+    deadline = time.time() + 90  # the worker runs the hook, the automation fires from the event stream
+    while time.time() < deadline and not (_artifacts(run_id, "run-failure")
+                                          and any(str(run_id) in m.get("body", "") for m in server["hook"])):
+        time.sleep(1)
+    states = _task_states(run_id)
+    assert states["train_adapter"] == ["Crashed"] and not [s for v in states.values() for s in v
+                                                            if s in ("Running", "Pending")], states
+    failure = _artifacts(run_id, "run-failure")
+    assert len(failure) == 1 and "crashed during train_adapter" in failure[0].data, failure
+    assert "-9" in failure[0].data or "SIGKILL" in failure[0].data, failure[0].data
+    message = next(m for m in server["hook"] if str(run_id) in m.get("body", ""))
+    assert "Crashed" in message["subject"] and f"/runs/flow-run/{run_id}" in message["body"], message

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,17 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         batches = _batches(examples, count, args.per_device_eval_batch_size, model.config.pad_token_id or 0)
         prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
-        base = _evaluate(model, tokenizer, batches, prompts, args, run_lm_eval)
-        tuned = _evaluate(PeftModel.from_pretrained(model, Path(adapter_dir) / "adapter"), tokenizer, batches,
-                          prompts, args, run_lm_eval)
+        logger().info("evaluate_adapter: %d eval examples in %d batches, %d greedy answers, base model then "
+                      "base + adapter", count, len(batches), len(prompts))
+        base = _evaluate("base", model, tokenizer, batches, prompts, args, run_lm_eval)
+        tuned = _evaluate("tuned", PeftModel.from_pretrained(model, Path(adapter_dir) / "adapter"), tokenizer,
+                          batches, prompts, args, run_lm_eval)
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
         samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs,
                            base["answers"], tuned["answers"])
         metrics = _metrics(base, tuned, refs, count, args)
         outputs = _write(stage.dir, metrics, samples, base, tuned, run_lm_eval)
-        logger().info("evaluate_adapter: %s", json.dumps(metrics))
+        logger().info("evaluate_adapter: %s", _readable(metrics))
         artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
                        f"model and by base + adapter (max {args.max_new_tokens} new tokens)")
         stage.finish(outputs, metrics)
@@ -109,12 +112,20 @@ def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
-def _evaluate(model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
+def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
               args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
+    start = time.perf_counter()
     loss, tokens = mean_loss(model, batches)
+    logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens (%.0fs); generating %d answers "
+                  "(at most %d new tokens each)", label, loss, tokens, time.perf_counter() - start, len(prompts),
+                  args.max_new_tokens)
+    start = time.perf_counter()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
                               tokenizer.pad_token_id, eos)
+    if prompts:
+        logger().info("evaluate_adapter: %s model: %d answers generated (%.0fs)", label, len(answers),
+                      time.perf_counter() - start)
     return {"loss": loss, "tokens": tokens, "answers": [tokenizer.decode(a, skip_special_tokens=True)
                                                        for a in answers],
             "lm_eval": _lm_eval(model, tokenizer, args) if run_lm_eval else None}
@@ -140,6 +151,17 @@ def _metrics(base: dict[str, Any], tuned: dict[str, Any], refs: list[str], count
     if args.lm_eval_tasks:
         metrics["lm_eval"] = "lm_eval.json" if base["lm_eval"] is not None else "skipped: lm_eval not installed"
     return metrics
+
+
+def _readable(m: dict[str, Any]) -> str:
+    """The metrics as one sentence for the run log (metrics.json and the artifacts hold them all)."""
+    text = (f"eval loss base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
+            f"({100 * m['relative_improvement']:.1f}% lower), perplexity {m['base_perplexity']:.2f} -> "
+            f"{m['tuned_perplexity']:.2f} over {m['eval_examples']} examples ({m['eval_tokens']} label tokens)")
+    if m["generation_samples"]:
+        text += (f"; {m['generation_samples']} greedy answers: exact match {m['base_exact_match']:.3f} -> "
+                 f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
+    return text
 
 
 def _write(folder: Path, metrics: dict[str, Any], samples: list[dict[str, Any]], base: dict[str, Any],

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import artifacts, registry
+from tasks import registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
 from tasks.log import logger
@@ -72,8 +72,6 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                                   args.promotion_margin, manifests["prepare_data"].key, card)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
-        artifacts.table("eval-metrics", _metrics_table(eval_metrics, record["champion_before"]),
-                       f"{args.name} {record['version']} {record['promotion']}: {record['reason']}")
         published = [f"{registry.PUBLISHED}/README.md", f"{registry.PUBLISHED}/{registry.VERSION_FILE}"]
         stage.finish([*outputs, "run_config.yaml", "README.md", *published], _stage_metrics(args.name, record))
         return str(stage.dir)
@@ -86,15 +84,6 @@ def _stage_metrics(name: str, record: dict[str, Any]) -> dict[str, Any]:
             "promotion": record["promotion"], "promotion_reason": record["reason"],
             "champion_version": now and now["version"],
             "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"]}
-
-
-def _metrics_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Rows base / tuned / champion (before this version's gate) for the eval-metrics table artifact."""
-    rows = [("base", "base", metrics), ("tuned", "tuned", metrics)]
-    if champion is not None:
-        rows.append((f"champion {champion['version']}", "tuned", champion["metrics"]))
-    return [{"model": label, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in METRIC_ROWS}}
-            for label, prefix, m in rows]
 
 
 def _fmt(value: Any) -> str:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from tasks.artifacts import TrainingProgress
+from tasks.artifacts import TrainingProgress, loss_curve
 from tasks.examples import pad_collator
 from tasks.log import logger
 from tasks.train_adapter.checkpoints import write_marker
@@ -27,10 +27,16 @@ class mark_complete(TrainerCallback):  # noqa: N801
 
 
 class LossLog(TrainerCallback):
-    """Appends one JSON line per logged step; on resume, drops lines after the checkpoint's step."""
+    """Appends one JSON line per logged step; on resume, drops lines after the checkpoint's step.
+
+    Also redraws the run's loss-curve artifact: at the first logged step, then at most every PLOT_SECONDS.
+    """
+
+    PLOT_SECONDS = 30.0
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.plotted = 0.0  # time.monotonic() of the last redraw
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
@@ -48,6 +54,9 @@ class LossLog(TrainerCallback):
                      **{k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}}
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+            if time.monotonic() - self.plotted >= self.PLOT_SECONDS:
+                self.plotted = time.monotonic()
+                loss_curve(self.path)
 
 
 class Progress(TrainerCallback):
@@ -99,3 +108,8 @@ class Progress(TrainerCallback):
                 f"{self.collator.real_tokens / elapsed:.0f} tokens/s, ETA {eta:.0f}s")
         logger().info("train_adapter: %s", text)
         self.artifact.update(state.global_step, state.max_steps, text)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:  # the last logged step is rarely the last step: end the bar at 100%
+            self.artifact.update(1, 1, f"done: {state.global_step}/{state.max_steps} steps in "
+                                       f"{time.time() - self.start:.0f}s")

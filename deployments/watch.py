@@ -1,0 +1,76 @@
+"""`qlora-pipeline start DEPLOYMENT --watch`: start a deployment run from a terminal and follow it, artifacts included.
+
+Prints state changes and each artifact's content as text when it appears or changes: markdown with inline
+images replaced by a note, tables as aligned columns, progress as a percentage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+_INLINE_IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)\)")
+
+
+def start(deployment: str, config: dict[str, Any]) -> Any:
+    """Create a flow run of `deployment` (flow/deployment name) with `config`, as the UI's Run button does."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment if "/" in deployment else f"qlora-pipeline/{deployment}")
+        return client.create_flow_run_from_deployment(dep.id, parameters={"config": config})
+
+
+def watch(flow_run_id: Any, out: Callable[[str], None] = print, poll_seconds: float = 2.0) -> str:
+    """Follow a flow run until it ends, printing states and artifacts; the final state's type (COMPLETED, ...)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    seen: dict[Any, Any] = {}
+    last_state = None
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])), sort=ArtifactSort.CREATED_DESC)
+            for artifact in reversed(artifacts):
+                if seen.get(artifact.id) != (artifact.data, artifact.description):
+                    seen[artifact.id] = (artifact.data, artifact.description)
+                    out(render(artifact))
+            state = run.state
+            if state is not None and (state.name, state.message) != last_state:
+                last_state = (state.name, state.message)
+                out(f"state: {state.name}" + (f": {state.message}" if state.message else ""))
+            if state is not None and state.type.value in FINAL and state.name != "AwaitingRetry":
+                return state.type.value
+            time.sleep(poll_seconds)
+
+
+def render(artifact: Any) -> str:
+    """An artifact as terminal text."""
+    head = f"--- {artifact.key or artifact.type}: {artifact.description or ''}".rstrip(": ")
+    if artifact.type == "progress":
+        return f"{artifact.key}: {float(artifact.data):.0f}% {artifact.description or ''}".rstrip()
+    if artifact.type == "table":
+        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        return f"{head}\n{_table(rows)}"
+    if artifact.type == "markdown":
+        text = _INLINE_IMAGE.sub(lambda m: f"[image: {m.group(1)}, {len(m.group(2)) * 3 // 4 // 1024} KiB PNG; "
+                                 "see the run in the UI]", str(artifact.data))
+        return f"{head}\n{text.strip()}"
+    return f"{head}\n{artifact.data}"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(empty)"
+    columns = list(rows[0])
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [min(40, max(len(c), *(len(r[i]) for r in cells))) for i, c in enumerate(columns)]
+    line = lambda values: "  ".join(v[:w].ljust(w) for v, w in zip(values, widths, strict=True))  # noqa: E731
+    return "\n".join([line(columns), *(line(r) for r in cells)])

@@ -292,11 +292,12 @@ def _prepare_chat(tmp_path: Path, template: str, chats: list[Any]) -> tuple[list
 
     model = _chat_tokenizer(tmp_path / "tok", template)
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats * 20))
-    folder = Path(prepare_data.fn(DataArgs(source=str(data), eval_fraction=0.0), ModelArgs(base_model=str(model)),
-                                  tmp_path / "runs"))
+    numbered = [[{**m, "content": f"{m['content']} ({i})"} if m["role"] != "system" else m for m in chat]
+                for i in range(20) for chat in chats]  # distinct rows: the split is by content
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in numbered))
+    folder = Path(prepare_data.fn(DataArgs(source=str(data)), ModelArgs(base_model=str(model)), tmp_path / "runs"))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    rows = pq.read_table(folder / "train.parquet").to_pylist()
+    rows = [r for split in ("train", "eval") for r in pq.read_table(folder / f"{split}.parquet").to_pylist()]
     texts = sorted({tokenizer.decode(r["input_ids"]) for r in rows})
     trained = sorted({tokenizer.decode([t for t in r["labels"] if t != -100]) for r in rows})
     return texts, " | ".join(trained)
@@ -304,12 +305,16 @@ def _prepare_chat(tmp_path: Path, template: str, chats: list[Any]) -> tuple[list
 
 def test_gemma_template_gets_the_system_message_in_the_first_user_turn(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="qlora_pipeline"):
-        texts, trained = _prepare_chat(tmp_path, GEMMA_TEMPLATE, CHATS)
+    log = logging.getLogger("qlora_pipeline")  # its own handler may not propagate to caplog's
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="qlora_pipeline"):
+            texts, trained = _prepare_chat(tmp_path, GEMMA_TEMPLATE, CHATS)
+    finally:
+        log.removeHandler(caplog.handler)
     assert "the chat template has no system role" in caplog.text
-    folded = next(t for t in texts if "France" in t).replace(" ", "")
-    assert "<start_of_turn>user\nAnsweroneword.\n\nCapitalofFrance?<end_of_turn>".replace(" ", "") in folded or \
-        "<start_of_turn>user\nAnswerinoneword.\n\nCapitalofFrance?<end_of_turn>" in folded
+    folded = next(t for t in texts if "France? (0)" in t)
+    assert "<start_of_turn>user\nAnswer in one word.\n\nCapital of France? (0)<end_of_turn>" in folded, folded
     assert "Paris" in trained and "France" not in trained  # only the answers are in the loss
 
 

@@ -32,8 +32,14 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         (out / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
         (out / "adapter" / "training_args.bin").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {**throughput, "train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
-            "train_examples": len(examples), "train_seconds": result.metrics.get("train_runtime"),
+    return {**throughput, **outcome(trainer, model, result, len(examples), used)}
+
+
+def outcome(trainer: Any, model: Any, result: Any, examples: int, used: TrainArgs) -> dict[str, Any]:
+    """What a finished training reports in train_adapter's metrics (beside the throughput): loss, steps, and
+    the micro-batches and processes it actually used."""
+    return {"train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
+            "train_examples": examples, "train_seconds": result.metrics.get("train_runtime"),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "per_device_train_batch_size": used.per_device_train_batch_size,
             "gradient_accumulation_steps": used.gradient_accumulation_steps, "processes": trainer.args.world_size,

@@ -32,7 +32,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
     """Train with DPO or KTO here (alone, or as one rank of a data-parallel group); the main process saves."""
     import torch
 
-    from tasks.train_adapter.fit import progress, smaller_micro_batch
+    from tasks.train_adapter.fit import outcome, progress, smaller_micro_batch
 
     dataset = _dataset(Path(data_dir) / "train.parquet", train)
     while True:
@@ -58,12 +58,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
         (out / "adapter" / "README.md").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {**throughput, "train_loss": result.training_loss, "optimizer_steps": trainer.state.global_step,
-            "train_examples": len(dataset), "train_seconds": result.metrics.get("train_runtime"),
-            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "per_device_train_batch_size": train.per_device_train_batch_size,
-            "gradient_accumulation_steps": train.gradient_accumulation_steps, "processes": trainer.args.world_size,
-            "sharding": "ddp" if trainer.args.world_size > 1 else "none", "method": train.method}
+    return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method}
 
 
 def _dataset(path: Path, train: TrainArgs) -> Any:

@@ -189,7 +189,8 @@ def test_model_card_has_metrics_settings_and_load_command(trained: dict[str, Any
             assert f"| {label} | {metrics['base_' + key]:.4f} | {metrics['tuned_' + key]:.4f} |" in card
         data_manifest = read_manifest(Path(trained["data"]))
         assert data_manifest.fingerprint["data"] in card
-        assert "base_model: " + str(ModelArgs().base_model) in card and "revision `local folder`" in card
+        # as the run config records it: the embedded model relative to the checkout
+        assert "base_model: " + ModelArgs().model_dump()["base_model"] in card and "revision `local folder`" in card
         assert '"r": 4, "lora_alpha": 8' in card and '"max_steps": 4' in card
         assert 'bnb_4bit_quant_type="nf4"' in card and "revision=None" in card
     card = (version / "README.md").read_text()

@@ -382,6 +382,17 @@ class RunConfig(_Section):
     export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
                                "name the adapter is published under and the gate that makes it champion.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _speed_fields_moved(cls, data: Any) -> Any:
+        """Configs written before the speed section named its fields under train: say where they went."""
+        train = data.get("train") if isinstance(data, dict) else None
+        moved = sorted(k for k in train if k in SpeedArgs.model_fields) if isinstance(train, dict) else []
+        if moved:
+            raise ValueError("these fields moved from train to the speed section: " + ", ".join(
+                f"train.{k} -> speed.{k}" for k in moved))
+        return data
+
     @model_validator(mode="after")
     def _check_target_modules(self) -> RunConfig:
         if not self.lora.target_modules:

@@ -86,3 +86,8 @@ def test_cli_missing_data_file_is_a_user_error_without_traceback(tmp_path: Path)
 def test_config_reference_is_current() -> None:
     """docs/configuration.md holds `python -m tasks.config`'s table as it is now."""
     assert reference_table() in (PROJECT_ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_speed_fields_under_train_say_where_they_moved() -> None:
+    with pytest.raises(ValueError, match=r"train.num_gpus -> speed.num_gpus, train.packing -> speed.packing"):
+        load_config(None, ["train.packing=false", "train.num_gpus=1"])

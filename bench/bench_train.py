@@ -130,8 +130,8 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])
-    base = {"learning_rate": 2e-4, "logging_steps": 1, "save_steps": 10**6, "warmup_steps": 0,
-            **spec.get("train", {})}
+    # logging_steps stays the pipeline's default: each logged step makes the host wait for the GPU
+    base = {"learning_rate": 2e-4, "save_steps": 10**6, "warmup_steps": 0, **spec.get("train", {})}
     t = time.time()
     model = fit._peft_model(model_dir, LoraArgs(**spec.get("lora", {})), *settings(base))
     out: dict[str, Any] = {"load_s": round(time.time() - t, 1), "runs": [],
@@ -176,21 +176,35 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
     marks: list[tuple[float, int]] = []
 
     class Clock(TrainerCallback):
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            _sync()
-            marks.append((time.perf_counter(), collator.real_tokens))
+        """Marks the end of step 2 (warm-up done) and of the last step; a wait for the GPU at every step would
+        slow the steps it times."""
 
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step in (2, state.max_steps):
+                _sync()
+                marks.append((time.perf_counter(), collator.real_tokens))
+            steps[0] = state.global_step
+
+    steps = [0]
     trainer.add_callback(Clock())
+    profiler = None
+    if run.get("profile_steps"):
+        from bench.step_profile import StepProfile
+
+        profiler = StepProfile(first=3, count=run["profile_steps"])
+        trainer.add_callback(profiler)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     result = trainer.train()
-    res.update(steps=len(marks), train_loss=round(result.training_loss, 4),
+    res.update(steps=steps[0], train_loss=round(result.training_loss, 4),
                losses=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
                mean_len=round(sum(map(len, examples.input_ids)) / len(examples), 1),
                packs=len(trainer.train_dataset), batches=dataclasses.asdict(chosen), **_peaks())
-    if len(marks) >= 3:  # time from the end of the 2nd optimizer step (warm-up) to the end of the last
-        (t0, k0), (t1, k1) = marks[1], marks[-1]
-        res.update(timed_steps=len(marks) - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))
+    if len(marks) == 2:  # time from the end of the 2nd optimizer step (warm-up) to the end of the last
+        (t0, k0), (t1, k1) = marks
+        res.update(timed_steps=steps[0] - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))
+    if profiler is not None:
+        res["step_profile"] = profiler.report
     if run.get("profile"):
         res["profile"] = _profile(model, collator, examples, run["profile"])
     del trainer
@@ -343,7 +357,37 @@ def worker_refloss(spec: dict[str, Any]) -> dict[str, Any]:
     return {"examples": len(rows), "tokens": count, "per_token_loss": sums / count}
 
 
-WORKERS = {"build": worker_build, "pipeline": worker_pipeline, "refloss": worker_refloss}
+def worker_matmul(spec: dict[str, Any]) -> dict[str, Any]:
+    """bf16 matrix-product throughput of this card on random data (8192^3, the mean of 20 after 3 warm-ups): the
+    ceiling that pipeline.fraction_of_limit divides by."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    n = spec.get("n", 8192)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    stop.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(stop) / 1e3 / 20
+    return {"n": n, "tflops": round(2 * n**3 / seconds / 1e12, 1)}
+
+
+def flops_per_token(config: dict[str, Any]) -> float:
+    """6 x parameters: forward, recomputation and the input gradient (frozen weights need no weight gradient),
+    2 FLOP per weight each; the embedding counted as the issue counts it (8.0e9 for the 8B shape)."""
+    h, i, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    kv = h // config["num_attention_heads"] * config.get("num_key_value_heads", config["num_attention_heads"])
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return 6.0 * (layers * per_layer + 2 * v * h + h)
+
+
+WORKERS = {"build": worker_build, "pipeline": worker_pipeline, "refloss": worker_refloss, "matmul": worker_matmul}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -388,6 +432,15 @@ def _trim(text: str, keep: int = 30000) -> str:
 
 def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]
+
+
+def tree_env(extra: dict[str, Any]) -> dict[str, str] | None:
+    """A sweep entry's "tree": another checkout's tasks/ (e.g. `git worktree add .base HEAD~3`), to measure the
+    code before a change beside the code after it in one run."""
+    if not extra.get("tree"):
+        return None
+    tree = str(Path(extra["tree"]).resolve())
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
 
 
 def pipeline_runs(a: argparse.Namespace, n: int) -> list[dict[str, Any]]:
@@ -458,6 +511,8 @@ def main() -> None:
                                                      "runs_dir": str(work / "runs")}), timeout=900)
     result["build"] = build
     four = build["model_dir_4bit"]
+    result["matmul"] = runner.run("matmul", worker_cmd("matmul", {}))
+    result["flops_per_token"] = flops_per_token(json.loads((Path(a.model_dir) / "config.json").read_text()))
     lens = lengths(4000, a.seq)
     mean_len = sum(lens) / len(lens)
     result["data"] = {"lengths": f"lognormal median 250 sigma 0.8, min 16, cut at {a.seq}, seed 0",
@@ -472,7 +527,7 @@ def main() -> None:
         spec = {**base, "name": extra["name"], "lora": extra.get("lora", {}), "train": extra.get("train", {}),
                 "runs": extra["runs"]}
         result.setdefault("sweep", {})[extra["name"]] = runner.run(f"sweep {extra['name']}",
-                                                                   worker_cmd("pipeline", spec))
+                                                                   worker_cmd("pipeline", spec), tree_env(extra))
         save()
     if "reference" not in skip:
         cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, str(a.seq), "--lengths", "dolly",
@@ -545,7 +600,13 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                          "per_token_loss": pl, "reference_per_token_loss": ref_loss,
                          "loss_rel_diff": abs(pl - ref_loss) / ref_loss if pl and ref_loss else None,
                          "losses": pipe.get("losses"), "max_tokens_per_batch": pipe.get("max_tokens_per_batch"),
-                         "setup": "train_adapter defaults (LoRA r=16 on all 7 projections)"}
+                         "setup": "train_adapter defaults (LoRA r=16 on all 7 projections)",
+                         **limit_fields(r, pipe.get("real_tokens_per_s"))}
+        for name, entry in r.get("sweep", {}).items():
+            for run in entry.get("runs", []):
+                s.setdefault("pipeline_variants", {})[f"{name}/{run.get('name')}"] = {
+                    "real_tokens_per_s": run.get("real_tokens_per_s"), "peak_allocated_gib":
+                    run.get("peak_allocated_gib"), **limit_fields(r, run.get("real_tokens_per_s"))}
     if uns:
         fits = [int(k.rsplit("_", 1)[1]) for k, v in caps.items() if k.startswith("unsloth_cap") and
                 not v.get("oom") and "error" not in v]
@@ -557,6 +618,15 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                         "losses": uns.get("losses"),
                         "setup": f"unsloth_probe.py --packing, all 7, micro-batch {a.unsloth_bs} x {a.unsloth_ga}"}
     return s
+
+
+def limit_fields(r: dict[str, Any], tps: float | None) -> dict[str, Any]:
+    """The card's limit for this model in tokens/s (measured matmul rate / FLOP per token) and the share reached."""
+    tflops, per_token = r.get("matmul", {}).get("tflops"), r.get("flops_per_token")
+    if not (tflops and per_token and tps):
+        return {}
+    limit = tflops * 1e12 / per_token
+    return {"matmul_tflops": tflops, "limit_tokens_per_s": round(limit), "fraction_of_limit": round(tps / limit, 3)}
 
 
 def table(s: dict[str, Any]) -> str:

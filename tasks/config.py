@@ -230,7 +230,7 @@ class TrainArgs(_Section):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the LoRA weights.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch"] = Field(
+    optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"] = Field(
         "paged_adamw_8bit", description="Optimizer (bitsandbytes' 8-bit AdamW runs on CPU too)."
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")

@@ -70,12 +70,25 @@ class Progress(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.start, self.first_step, self.collator.real_tokens = time.time(), state.global_step, 0
-        self.marks = [(time.perf_counter(), 0)]  # (time, real tokens so far) at the start and after each step
+        self.marks = [(time.perf_counter(), 0)]  # (time, real tokens so far): start, end of step 1, end of the last
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if torch.cuda.is_available():  # the step's kernels are done: its time is real, not queued
+        # Only the two timed steps wait for the GPU (so their times are real, not queued): a wait at every step
+        # would let the GPU idle while the host prepares the next one.
+        if state.global_step - self.first_step == 1 or state.global_step >= state.max_steps:
+            self._mark()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step < state.max_steps and state.global_step - self.first_step > 1:  # stopped early
+            self._mark()
+        if state.is_world_process_zero:  # the last logged step is rarely the last step: end the bar at 100%
+            self.artifact.update(1, 1, f"done: {state.global_step}/{state.max_steps} steps in "
+                                       f"{time.time() - self.start:.0f}s")
+
+    def _mark(self) -> None:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.marks.append((time.perf_counter(), self.collator.real_tokens))
 
@@ -108,8 +121,3 @@ class Progress(TrainerCallback):
                 f"{self.collator.real_tokens / elapsed:.0f} tokens/s, ETA {eta:.0f}s")
         logger().info("train_adapter: %s", text)
         self.artifact.update(state.global_step, state.max_steps, text)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:  # the last logged step is rarely the last step: end the bar at 100%
-            self.artifact.update(1, 1, f"done: {state.global_step}/{state.max_steps} steps in "
-                                       f"{time.time() - self.start:.0f}s")

@@ -18,6 +18,17 @@ from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.parallel import fsdp_settings, save_sharded_adapter
 
 
+def host_sync_free() -> dict[str, Any]:
+    """TrainingArguments that turn off the Trainer's defaults which make the host wait for the GPU at every
+    micro-step (so that it cannot queue the next step's kernels while the GPU runs this one): a blocking copy of
+    each batch to the GPU, and a check of every micro-step's loss for NaN that only tidies the logged average (a
+    NaN step is logged as NaN instead)."""
+    import torch
+
+    copies = {"accelerator_config": {"non_blocking": True}, "dataloader_pin_memory": True}
+    return {"logging_nan_inf_filter": False, **(copies if torch.cuda.is_available() else {})}
+
+
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
                  ) -> dict[str, Any]:
     """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
@@ -126,7 +137,7 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
         output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
         fp16=compute == "float16", gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, **{**settings, **fsdp_settings(train, speed, model)},
+        dataloader_num_workers=0, **host_sync_free(), **{**settings, **fsdp_settings(train, speed, model)},
     )
     if args.world_size == 1 and args.n_gpu > 1:
         # one process on a machine with several GPUs: the Trainer would wrap the 4-bit model in nn.DataParallel

@@ -1,4 +1,4 @@
-"""A random-weight 4-bit checkpoint of any size, written layer by layer: never the whole bf16 model, in memory or on disk.
+"""A random-weight 4-bit checkpoint of any size, written layer by layer: never the bf16 model, in memory or on disk.
 
 bench_train builds its 8B model in bf16 and runs prepare_model on it; a 70B model would need 141 GB of bf16
 weights first. Here the model is a skeleton on the meta device, turned into 4-bit modules by transformers' own
@@ -13,7 +13,8 @@ written through the stage's own helpers, so load_quantized, read_model_metrics a
 The one difference from prepare_model's folder: one shard per part plus model.safetensors.index.json, where
 save_pretrained writes a single model.safetensors up to 50 GB (the keys, dtypes, shapes and bytes are the same).
 
-usage: python bench/build_4bit.py --shape 70b --runs-dir /tmp/qlora-70b/runs --device cuda
+usage: python bench/build_4bit.py --shape 70b --runs-dir /tmp/qlora-70b/runs --tokenizer FOLDER
+(bench/bench_70b.py builds it this way, with a 128,256-id tokenizer.)
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _write_parts(model: Any, folder: Path, device: str, seed: int, weights: Weig
     footprint = sum(b.nelement() * b.element_size() for b in model.buffers())
     weight_map: dict[str, str] = {}
     total_size = 0
-    for n, (part, keys) in enumerate(parts.items(), 1):
+    for n, keys in enumerate(parts.values(), 1):
         shard = f"model-{n:05d}-of-{len(parts):05d}.safetensors"
         tensors: dict[str, Any] = {}
         for key in keys:
@@ -165,7 +166,6 @@ def _value(model: Any, key: str, meta: Any, device: str, seed: int, weights: Wei
     """One parameter as from_pretrained leaves it: cast to the compute dtype on the device, and quantized there
     (Bnb4bitQuantize.convert: Params4bit with the module's settings, moved to the device) if its module is 4-bit."""
     import bitsandbytes as bnb
-    import torch
 
     module = model.get_submodule(key.rsplit(".", 1)[0])
     source = (weights(key, tuple(meta.shape)) if weights
@@ -206,3 +206,21 @@ def _entries(model: Any, key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, bnb.nn.Params4bit):
         return {key: value.detach()}
     return {key: value.data, **{f"{key}.{k}": v.detach() for k, v in value.quant_state.as_dict(packed=True).items()}}
+
+
+def main() -> None:
+    from tasks.config import EMBEDDED_MODEL
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="70b", choices=sorted(SHAPES))
+    ap.add_argument("--runs-dir", required=True, help="the stage folder goes to RUNS_DIR/prepare_model/<key>/")
+    ap.add_argument("--tokenizer", default=str(EMBEDDED_MODEL), help="a folder holding the tokenizer to save")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    print(json.dumps(build_4bit_checkpoint(llama_config(a.shape), Path(a.runs_dir), Path(a.tokenizer),
+                                           device=a.device, seed=a.seed), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--shape", default="70b", choices=["70b", "tiny"], help="tiny: the whole script on a CPU")
     ap.add_argument("--work", default="/tmp/qlora-70b", help="the 4-bit checkpoint (~39 GB for 70b) and data")
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run, after 2 warm-up steps")
-    ap.add_argument("--packs", default="2048,default,6144", help="max_tokens_per_batch per run; default = unset")
+    ap.add_argument("--packs", default="2048,default", help="max_tokens_per_batch per run; default = unset")
     ap.add_argument("--seq", type=int, default=2048, help="example lengths are cut at this many tokens")
     ap.add_argument("--budget", type=int, default=540, help="seconds for the whole script; the training worker "
                     "is stopped at what is left of it (its finished runs are kept)")
@@ -117,7 +117,7 @@ def main() -> None:
     vocab = SHAPES[a.shape]["vocab_size"]
     lens = lengths(4000, a.seq)
     mean_len = sum(lens) / len(lens)
-    guess = estimate(a.shape, a.steps, packs, default_tokens=1024)
+    guess = estimate(a.shape, a.steps, packs, default_tokens=6144)
     result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                               "gpu": _gpu(), "versions": _versions(), "shape": {a.shape: SHAPES[a.shape]},
                               "data": {"lengths": f"lognormal median 250 sigma 0.8, min 16, cut at {a.seq}, seed 0",

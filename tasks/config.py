@@ -272,9 +272,10 @@ class SpeedArgs(_Section):
         "allows, at most 6,144 (past that an 8B model keeps an H200 busy; more tokens buy a few per cent for more "
         "memory); on CPU, per_device_train_batch_size examples per micro-batch.",
     )
-    gpu_memory_budget_gb: float = Field(
-        16.0, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
-        "size when max_tokens_per_batch is None.",
+    gpu_memory_budget_gb: float | None = Field(
+        None, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
+        "size when max_tokens_per_batch is None. None: the GPU's own memory, less 1 GiB for other processes "
+        "(the CUDA context and the allocator's slack are set aside separately).",
     )
     offload_activations: bool | None = Field(
         None, description="Keep the checkpointed layer inputs in pinned CPU memory, copied on a side stream (2 "

@@ -153,36 +153,42 @@ def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
 
 def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
     """offload_embeddings moves the table out of the model's parameters (so no model.to moves it back to a GPU);
-    the loss and every LoRA gradient, the first layer's included, stay the same."""
+    the loss and every LoRA gradient, the first layer's included, stay the same, whether the model looks the ids
+    up itself or the pack collator hands it the rows (inputs_embeds, as in training)."""
     from peft import LoraConfig, get_peft_model
 
-
     examples = _examples([30, 50, 9])
-    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
-    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    pack = [{"input_ids": examples.input_ids, "labels": examples.labels}]
     results = []
-    for offload in (False, True):
+    for mode in ("on_model", "host_forward", "host_collator"):
         torch.manual_seed(1)
         model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
                                                    init_lora_weights="gaussian"))
         table = model.get_input_embeddings().weight.detach().clone()
-        if offload:
+        if mode != "on_model":
             assert offload_embeddings(model)
+            assert offload_embeddings(model)  # a second Trainer on the same model finds it done
             assert not any("embed_tokens" in name for name, _ in model.named_parameters())
             assert "embed_tokens" not in "".join(model.state_dict())
             model.to(torch.float64)  # what moves or casts the model's tensors leaves the table alone
             assert model.get_input_embeddings().weight.dtype == table.dtype
             torch.testing.assert_close(model.get_input_embeddings().weight, table, rtol=0, atol=0)
             model.to(torch.float32)
-        enable_checkpointing(model.get_base_model(), offload=False)  # the input gradient hook, as in training
+        batch = pack_collator(model.get_input_embeddings() if mode == "host_collator" else None)(pack)
+        assert ("inputs_embeds" in batch) == (mode == "host_collator") != ("input_ids" in batch)
+        inputs = {k: batch[k] for k in ("input_ids", "inputs_embeds", "labels", "position_ids") if k in batch}
+        # as in training; the offloading checkpoint builds a graph only from an input that carries a gradient
+        enable_checkpointing(model.get_base_model(), offload=True)
         loss = model.train()(**inputs).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
-    (loss0, grads0), (loss1, grads1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
-    assert grads1.keys() == grads0.keys() and any("layers.0." in n for n in grads0)
-    for name in grads0:
-        torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
+    loss0, grads0 = results[0]
+    assert any("layers.0." in n for n in grads0)
+    for loss1, grads1 in results[1:]:
+        torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+        assert grads1.keys() == grads0.keys()
+        for name in grads0:
+            torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"offload_activations": True}, {"offload_activations": True,

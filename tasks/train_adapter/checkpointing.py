@@ -105,13 +105,27 @@ def offload_embeddings(model: Any) -> bool:
     table (vocabulary x hidden: 1 GiB for Llama 3's 128k tokens in bf16) need not hold GPU memory. False where
     not possible: a trainable, tied or non-standard embedding, or several processes (DDP broadcasts every
     parameter from rank 0 over NCCL, which takes GPU tensors only)."""
+    if isinstance(model.get_input_embeddings(), _host_embedding_type()):  # done by an earlier Trainer
+        return True
     reason = embedding_offload_unsupported(model)
     if reason:
         logger().info("train_adapter: embedding offload steps aside: %s", reason)
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.set_input_embeddings(_host_embedding_type()(model.get_input_embeddings()))
+    base.register_forward_pre_hook(_embeddings_need_grad, with_kwargs=True)
     return True
+
+
+def _embeddings_need_grad(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """The first layer's input must carry a gradient for the checkpointed layers to build a graph: the hook of
+    enable_input_require_grads does that on the embedding's output, which is never called when the collator
+    hands over looked-up rows (inputs_embeds)."""
+    import torch
+
+    rows = kwargs.get("inputs_embeds")
+    if rows is not None and torch.is_grad_enabled() and not rows.requires_grad:
+        rows.requires_grad_(True)
 
 
 def embedding_offload_unsupported(model: Any) -> str | None:
@@ -136,9 +150,10 @@ def _host_embedding_type() -> type:
 
     class HostEmbedding(torch.nn.Module):
         """An nn.Embedding whose table stays in CPU memory: a plain attribute, not a parameter or buffer, so
-        that moving the model (model.to, the Trainer's device placement) leaves it where it is. Each forward
-        copies the ids to the host, which waits for the GPU's queued work, looks the rows up there and copies
-        them (tokens x hidden) to the ids' device."""
+        that moving the model (model.to, the Trainer's device placement) leaves it where it is. In training the
+        pack collator looks each micro-batch's rows up on the host (lookup) and hands them over as inputs_embeds,
+        copied to the GPU with the batch; a forward on GPU ids (evaluation) copies them to the host first, which
+        waits for the GPU's queued work."""
 
         def __init__(self, emb: torch.nn.Embedding) -> None:
             super().__init__()
@@ -151,7 +166,13 @@ def _host_embedding_type() -> type:
             return self.table
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            rows = torch.nn.functional.embedding(ids.to("cpu"), self.table, self.padding_idx)
-            return rows.to(ids.device)
+            return self.lookup(ids.to("cpu")).to(ids.device, non_blocking=True)
+
+        def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+            """The rows of host-side ids, in pinned memory (so that their copy to the GPU need not wait)."""
+            rows = torch.empty((*ids.shape, self.embedding_dim), dtype=self.table.dtype,
+                               pin_memory=torch.cuda.is_available())
+            return torch.index_select(self.table, 0, ids.reshape(-1), out=rows.view(-1, self.embedding_dim))\
+                .view(rows.shape)
 
     return HostEmbedding

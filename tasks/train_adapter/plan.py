@@ -41,6 +41,17 @@ class MicroBatches:
     packs: int | None = None  # packed micro-batches per epoch
 
 
+def gpu_budget_gb(speed: SpeedArgs) -> float:
+    """speed.gpu_memory_budget_gb, or the GPU's memory less 1 GiB. The budget only binds when the model itself
+    is large: an 8B model's packs stop at AUTO_MAX_TOKENS long before a 16 GB card is full, while a 70B model
+    (~37 GiB in 4 bits) needs to see the card it is on."""
+    import torch
+
+    if speed.gpu_memory_budget_gb is not None:
+        return speed.gpu_memory_budget_gb
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 - 1.0
+
+
 def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
     """TrainArgs as TrainingArguments keywords, checkpointing left to enable_checkpointing."""
     settings = train.model_dump(exclude={*PIPELINE_TRAIN_FIELDS, *PREFERENCE_TRAIN_FIELDS})
@@ -132,8 +143,7 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     embeddings = bool(wanted) and offload_embeddings(model)
     tokens = speed.max_tokens_per_batch
     if cuda and speed.packing and tokens is None:
-        budget = micro_batch_tokens(speed.gpu_memory_budget_gb, torch.cuda.memory_allocated(), model.config,
-                                    offload, 0)
+        budget = micro_batch_tokens(gpu_budget_gb(speed), torch.cuda.memory_allocated(), model.config, offload, 0)
         tokens = max(min(budget, AUTO_MAX_TOKENS), min(longest, 1024))
     if train.gradient_checkpointing:
         enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
@@ -142,4 +152,5 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
         return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches
     per_pack = None if tokens is not None else train.per_device_train_batch_size
     packs = PackedExamples(examples, tokens, per_pack, train.seed)
-    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs))
+    collator = pack_collator(model.get_input_embeddings() if embeddings else None)
+    return packs, collator, MicroBatches(True, offload, embeddings, tokens, len(packs))

@@ -112,3 +112,23 @@ def test_hub_model_id_resolves_through_the_hub_cache(tmp_path: Path, monkeypatch
     assert spec(args, tmp_path / "runs").fingerprint == {"hub_repo": "tiny-org/tiny-llama", "hub_commit": commit}
     folder = Path(prepare_model.fn(args, tmp_path / "runs"))
     assert json.loads((folder / "modules.json").read_text())["targetable"] == PROJECTIONS
+
+
+def test_prepare_model_writes_shards_that_load_and_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint larger than SHARD_SIZE is written in several shards (a 70B one would otherwise sit whole in
+    host memory while saving); the manifest lists every shard, training loads them, a re-run reuses them."""
+    import torch
+
+    import tasks.prepare_model.stage as stage
+    from tasks.runtime import load_quantized
+
+    monkeypatch.setattr(stage, "SHARD_SIZE", "200KB")
+    folder = Path(prepare_model.fn(ModelArgs(), tmp_path / "runs"))
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").exists()
+    assert set(shards) <= set(read_manifest(folder).outputs)
+    model = load_quantized(folder)
+    assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 13]])).logits).all()
+    mtime = (folder / shards[0]).stat().st_mtime_ns
+    assert prepare_model.fn(ModelArgs(), tmp_path / "runs") == str(folder)
+    assert (folder / shards[0]).stat().st_mtime_ns == mtime

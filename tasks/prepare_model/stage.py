@@ -23,6 +23,9 @@ from tasks.manifest import StageSpec, open_stage
 from tasks.runtime import compute_dtype, device, load_tokenizer, model_fingerprint, model_path
 
 VERSION = "2"  # 2: the attention implementation in use recorded in the metrics
+# safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
+# a 70B model's 4-bit checkpoint (39.5 GB) would need ~37 GiB of host memory in one piece. 5 GB shards bound it.
+SHARD_SIZE = "5GB"
 
 
 def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
@@ -41,7 +44,7 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
         source = model_path(args.base_model, args.revision)
         dtype = compute_dtype(args.bnb_4bit_compute_dtype)
         model = _load_4bit(source, args, dtype)
-        model.save_pretrained(stage.dir)
+        model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
         load_tokenizer(source).save_pretrained(stage.dir)
         modules = _module_report(model)
         (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))

@@ -113,19 +113,7 @@ def offload_embeddings(model: Any) -> bool:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.set_input_embeddings(_host_embedding_type()(model.get_input_embeddings()))
-    base.register_forward_pre_hook(_embeddings_need_grad, with_kwargs=True)
     return True
-
-
-def _embeddings_need_grad(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-    """The first layer's input must carry a gradient for the checkpointed layers to build a graph: the hook of
-    enable_input_require_grads does that on the embedding's output, which is never called when the collator
-    hands over looked-up rows (inputs_embeds)."""
-    import torch
-
-    rows = kwargs.get("inputs_embeds")
-    if rows is not None and torch.is_grad_enabled() and not rows.requires_grad:
-        rows.requires_grad_(True)
 
 
 def embedding_offload_unsupported(model: Any) -> str | None:
@@ -150,10 +138,14 @@ def _host_embedding_type() -> type:
 
     class HostEmbedding(torch.nn.Module):
         """An nn.Embedding whose table stays in CPU memory: a plain attribute, not a parameter or buffer, so
-        that moving the model (model.to, the Trainer's device placement) leaves it where it is. In training the
-        pack collator looks each micro-batch's rows up on the host (lookup) and hands them over as inputs_embeds,
-        copied to the GPU with the batch; a forward on GPU ids (evaluation) copies them to the host first, which
-        waits for the GPU's queued work."""
+        that moving the model (model.to, the Trainer's device placement) leaves it where it is. Each forward
+        copies the ids to the host, which waits for the GPU's queued work, looks the rows up there into pinned
+        memory and copies them (tokens x hidden) to the ids' device without waiting.
+
+        Why not look the rows up in the pack collator, one batch ahead, and skip that wait: measured side by side
+        on an H200 (bench/results/2026-12-01-h200-issue15-run2.json), it trained 4% slower (7,780 against 8,099
+        tokens/s): the host sets the pace at these micro-batch sizes, and the lookup then runs on the
+        DataLoader's path, with one more copy of the rows."""
 
         def __init__(self, emb: torch.nn.Embedding) -> None:
             super().__init__()

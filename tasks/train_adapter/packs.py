@@ -49,7 +49,7 @@ class PackedExamples:
         return {"input_ids": [b["input_ids"] for b in items], "labels": [b["labels"] for b in items]}
 
 
-def pack_collator(embedding: Any = None) -> Any:
+def pack_collator() -> Any:
     """A collator that concatenates packs into one row without padding, through transformers'
     DataCollatorWithFlattening: position ids restart at each example, the first label of each example is masked
     (it would be predicted from the previous example), and cu_seq_lens mark the examples' boundaries for varlen
@@ -57,14 +57,8 @@ def pack_collator(embedding: Any = None) -> Any:
 
     The library collator replaced our own, whose output it equals tensor for tensor: on a
     2-core CPU it takes 4.5 ms for a 7,405-token pack against our 2.6 ms, under 0.5% of a micro-step of that
-    size on an H200 (about 700 ms), for one less collator to keep. tests/test_speed.py checks its output.
-
-    With `embedding` (an input-embedding table in host memory, checkpointing.HostEmbedding), the collator looks the
-    rows up itself and returns inputs_embeds instead of input_ids: the rows then travel to the GPU with the batch,
-    without the model copying the ids back to the host, which would make the host wait for the GPU each step."""
-    collator = _pack_collator_type()()
-    collator.embedding = embedding
-    return collator
+    size on an H200 (about 700 ms), for one less collator to keep. tests/test_speed.py checks its output."""
+    return _pack_collator_type()()
 
 
 @functools.cache
@@ -75,15 +69,12 @@ def _pack_collator_type() -> type:
         def __init__(self) -> None:
             super().__init__(return_flash_attn_kwargs=True)
             self.real_tokens = 0
-            self.embedding: Any = None
 
         def __call__(self, batch: list[dict[str, list[list[int]]]], **kwargs: Any) -> dict[str, Any]:
             examples = [{"input_ids": ids, "labels": labels}
                         for pack in batch for ids, labels in zip(pack["input_ids"], pack["labels"], strict=True)]
             out = super().__call__(examples, **kwargs)
             self.real_tokens += out["input_ids"].shape[1]
-            if self.embedding is not None:
-                out["inputs_embeds"] = self.embedding.lookup(out.pop("input_ids"))
             return out
 
     return PackCollator

@@ -152,5 +152,4 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
         return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches
     per_pack = None if tokens is not None else train.per_device_train_batch_size
     packs = PackedExamples(examples, tokens, per_pack, train.seed)
-    collator = pack_collator(model.get_input_embeddings() if embeddings else None)
-    return packs, collator, MicroBatches(True, offload, embeddings, tokens, len(packs))
+    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs))

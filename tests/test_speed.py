@@ -260,3 +260,33 @@ def test_pack_collator_flattens_packs_with_boundaries_and_counts_tokens() -> Non
     assert batch["max_length_q"] == 3
     collate([pack])
     assert collate.real_tokens == 10
+
+
+def test_progress_waits_for_the_device_only_at_its_two_timed_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The throughput is timed from the end of the first optimizer step to the end of the last, and only those
+    two steps wait for the GPU (a wait at every step would let it idle while the host prepares the next)."""
+    from types import SimpleNamespace
+
+    from tasks.train_adapter import callbacks
+
+    waits = []
+    monkeypatch.setattr(callbacks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(callbacks.torch.cuda, "synchronize", lambda: waits.append(state.global_step))
+    monkeypatch.setattr(callbacks.torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(callbacks.torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    collator = SimpleNamespace(real_tokens=0)
+    progress = callbacks.Progress(collator)
+    state = SimpleNamespace(global_step=0, max_steps=6, is_world_process_zero=True)
+    progress.on_train_begin(None, state, None)
+    for step in range(1, 7):
+        collator.real_tokens += 1000 * step  # what the collator counted for this step's micro-batches
+        state.global_step = step
+        progress.on_step_end(None, state, None)
+    progress.on_train_end(None, state, None)
+    assert waits == [1, 6]
+    (t1, k1), (t6, k6) = progress.marks[1], progress.marks[2]
+    assert (k1, k6) == (1000, 21000)
+    summary = progress.summary()
+    assert summary["peak_gpu_allocated_gib"] == 3.0
+    assert summary["real_tokens_per_s"] == pytest.approx(20000 / (t6 - t1), rel=1e-3)
+

@@ -58,14 +58,17 @@ def build_model(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.config import ModelArgs
-    from tasks.prepare_model.stage import _load_4bit
+    from tasks.config import EMBEDDED_MODEL, ModelArgs
+    from tasks.prepare_model.stage import prepare_model
+    from tasks.runtime import load_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder / "base")
-    _load_4bit(folder / "base", ModelArgs(), torch.float32).save_pretrained(folder / "4bit")
-    return folder / "4bit"
+    load_tokenizer(EMBEDDED_MODEL).save_pretrained(folder / "base")  # prepare_model saves the tokenizer too
+    # the stage itself (train_adapter reads its manifest), float32 compute as on a CPU
+    return Path(prepare_model.fn(ModelArgs(base_model=str(folder / "base"), bnb_4bit_compute_dtype="float32"),
+                                 folder / "runs"))
 
 
 def training_model(model_dir: Path, tokens: int) -> tuple[Any, dict[str, Any]]:

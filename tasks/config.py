@@ -231,7 +231,9 @@ class TrainArgs(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the LoRA weights.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"] = Field(
-        "paged_adamw_8bit", description="Optimizer (bitsandbytes' 8-bit AdamW runs on CPU too)."
+        "paged_adamw_8bit", description="Optimizer (bitsandbytes' 8-bit AdamW runs on CPU too). adamw_torch_fused: "
+        "torch's fused AdamW, 3-4% faster on an H200 for fp32 optimizer state (+0.27 GiB for an 8B model's LoRA), "
+        "since bitsandbytes' optimizer waits for the GPU after each LoRA tensor."
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     bf16: bool | None = Field(None, description="bf16 mixed precision; None = where the device supports it.")

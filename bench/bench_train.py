@@ -440,6 +440,9 @@ def tree_env(extra: dict[str, Any]) -> dict[str, str] | None:
     if not extra.get("tree"):
         return None
     tree = str(Path(extra["tree"]).resolve())
+    if not (Path(tree) / "tasks").is_dir():  # else the worker would quietly run this checkout's code
+        sys.exit(f"sweep entry {extra['name']}: {tree} has no tasks/ (mkdir {extra['tree']} && git archive COMMIT "
+                 f"tasks | tar -x -C {extra['tree']})")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
 
 

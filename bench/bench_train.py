@@ -435,8 +435,8 @@ def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
 
 
 def tree_env(extra: dict[str, Any]) -> dict[str, str] | None:
-    """A sweep entry's "tree": another checkout's tasks/ (e.g. `git worktree add .base HEAD~3`), to measure the
-    code before a change beside the code after it in one run."""
+    """A sweep entry's "tree": a folder holding another commit's tasks/ (`git archive COMMIT tasks | tar -x -C
+    TREE`), to measure the code before a change beside the code after it in one run."""
     if not extra.get("tree"):
         return None
     tree = str(Path(extra["tree"]).resolve())

@@ -11,7 +11,7 @@ Linear4bit._save_to_state_dict writes it, and saved as its own safetensors shard
 The folder is a finished prepare_model stage (runs_dir/prepare_model/<key>/, manifest.json, modules.json, metrics)
 written through the stage's own helpers, so load_quantized, read_model_metrics and train_adapter take it as is.
 The one difference from prepare_model's folder: one shard per part plus model.safetensors.index.json, where
-save_pretrained writes a single model.safetensors up to 50 GB (the keys, dtypes, shapes and bytes are the same).
+prepare_model writes 5 GB shards (the keys, dtypes, shapes and bytes are the same).
 
 usage: python bench/build_4bit.py --shape 70b --runs-dir /tmp/qlora-70b/runs --tokenizer FOLDER
 (bench/bench_70b.py builds it this way, with a 128,256-id tokenizer.)
@@ -82,14 +82,7 @@ def build_4bit_checkpoint(config: Any, runs_dir: Path, tokenizer: Path, args: An
         if model.can_generate():
             model.generation_config.save_pretrained(stage.dir)
         load_tokenizer(tokenizer).save_pretrained(stage.dir)
-        modules = pm._module_report(model)
-        (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))
-        metrics = {"memory_footprint_bytes": footprint, "compute_dtype": str(dtype).removeprefix("torch."),
-                   "device": "cuda" if device == "cuda" else "cpu",
-                   "linear_4bit_layers": sum(modules["linear_4bit"].values()),
-                   "attn_implementation": model.config._attn_implementation}
-        outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
-        stage.finish(outputs, metrics)
+        metrics = pm.finish(stage, model, dtype, footprint)
     return {"model_dir_4bit": str(stage.dir), "reused": False, "build_s": round(time.time() - started, 1),
             "bytes_on_disk": sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file()),
             "peak_gpu_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2) if device == "cuda" else None,
@@ -101,12 +94,12 @@ def _skeleton(config: Any, args: Any, dtype: Any, attn: str | None) -> Any:
     """The model on the meta device with transformers' 4-bit modules in place, as from_pretrained makes it before
     it loads weights (get_hf_quantizer, then preprocess_model), with the config fields save_pretrained sets."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
     from transformers.quantizers import AutoHfQuantizer
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-                               bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
+    from tasks.prepare_model.stage import quantization_config
+
+    quant = quantization_config(args, dtype)
     config = type(config).from_dict(config.to_dict())  # a copy: the caller's config stays unquantized
     config.quantization_config = quant
     with torch.device("meta"):

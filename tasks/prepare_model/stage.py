@@ -46,26 +46,39 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
         model = _load_4bit(source, args, dtype)
         model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
         load_tokenizer(source).save_pretrained(stage.dir)
-        modules = _module_report(model)
-        (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))
-        metrics = {"memory_footprint_bytes": model.get_memory_footprint(),
-                   "compute_dtype": str(dtype).removeprefix("torch."), "device": device(),
-                   "linear_4bit_layers": sum(modules["linear_4bit"].values()),
-                   "attn_implementation": model.config._attn_implementation}
-        logger().info("prepare_model: %s; LoRA can target %s", metrics, ", ".join(modules["targetable"]))
-        outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
-        stage.finish(outputs, metrics)
+        finish(stage, model, dtype, model.get_memory_footprint())
         return str(stage.dir)
 
 
-def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+def finish(stage: Any, model: Any, dtype: Any, footprint: int) -> dict[str, Any]:
+    """After the checkpoint and tokenizer are written: modules.json, the metrics, the manifest. Also used by
+    bench/build_4bit.py, which writes the same folder without the bf16 model. Returns the metrics."""
+    modules = _module_report(model)
+    (stage.dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    metrics = {"memory_footprint_bytes": footprint, "compute_dtype": str(dtype).removeprefix("torch."),
+               "device": device(), "linear_4bit_layers": sum(modules["linear_4bit"].values()),
+               "attn_implementation": model.config._attn_implementation}
+    logger().info("prepare_model: %s; LoRA can target %s", metrics, ", ".join(modules["targetable"]))
+    outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
+    stage.finish(outputs, metrics)
+    return metrics
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-                               bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
+
+def quantization_config(args: ModelArgs, dtype: Any) -> Any:
+    """The BitsAndBytesConfig of these model settings."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
+
+
+def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(
-        source, quantization_config=quant, dtype=dtype, attn_implementation=attention(source, args.attn_implementation),
+        source, quantization_config=quantization_config(args, dtype), dtype=dtype,
+        attn_implementation=attention(source, args.attn_implementation),
         device_map={"": 0} if device() == "cuda" else "cpu",
     )
 

@@ -158,13 +158,9 @@ def _host_embedding_type() -> type:
             return self.table
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.lookup(ids.to("cpu")).to(ids.device, non_blocking=True)
-
-        def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-            """The rows of host-side ids, in pinned memory (so that their copy to the GPU need not wait)."""
-            rows = torch.empty((*ids.shape, self.embedding_dim), dtype=self.table.dtype,
-                               pin_memory=torch.cuda.is_available())
-            return torch.index_select(self.table, 0, ids.reshape(-1), out=rows.view(-1, self.embedding_dim))\
-                .view(rows.shape)
+            rows = torch.empty((ids.numel(), self.embedding_dim), dtype=self.table.dtype,
+                               pin_memory=torch.cuda.is_available())  # pinned: the copy back need not wait
+            torch.index_select(self.table, 0, ids.to("cpu").reshape(-1), out=rows)
+            return rows.view(*ids.shape, self.embedding_dim).to(ids.device, non_blocking=True)
 
     return HostEmbedding

@@ -25,7 +25,7 @@ def host_sync_free() -> dict[str, Any]:
     NaN step is logged as NaN instead)."""
     import torch
 
-    copies = {"accelerator_config": {"non_blocking": True}, "dataloader_pin_memory": True}
+    copies = {"accelerator_config": {"non_blocking": True}}  # from pinned batches (dataloader_pin_memory's default)
     return {"logging_nan_inf_filter": False, **(copies if torch.cuda.is_available() else {})}
 
 

@@ -76,7 +76,7 @@ def summarize(prof: Any, wall_s: float, steps: int) -> dict[str, Any]:
                          for g, at in sorted(gaps, reverse=True)[:15]],
         "host_waits_ms": {k: {"calls": n, "ms": round(t, 1)} for k, (n, t) in
                           sorted(waits.items(), key=lambda kv: -kv[1][1])[:10]},
-        "top_gpu": ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60),
+        "top_gpu": ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60),
         "top_host": ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
     }
 

@@ -285,8 +285,10 @@ class SpeedArgs(_Section):
     )
     offload_embeddings: bool | None = Field(
         None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (1 GiB "
-        "for a 128k-token vocabulary in bf16; per micro-batch, the ids go to the host and the rows come back). "
-        "Single-process runs only. None: when the activations are offloaded.",
+        "for a 128k-token vocabulary in bf16; per micro-batch, the ids go to the host and the rows come back), and "
+        "where the fused cross-entropy computes the loss, the frozen output layer too (copied to the GPU for the "
+        "loss, then freed: another 1 GiB off the peak). Untied tables only; single-process runs only. None: when "
+        "the activations are offloaded.",
     )
     upcast_frozen_to_fp32: bool = Field(
         False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "

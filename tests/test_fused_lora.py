@@ -110,6 +110,44 @@ def test_single_layer_matches_peft_in_fp32_and_bf16() -> None:
             assert float((got - want).norm() / want.norm()) < tol
 
 
+@pytest.mark.parametrize("optimizer", ["bnb_8bit", "torch"])
+def test_weights_cast_once_per_step_follow_every_update(optimizer: str) -> None:
+    """Under bf16 autocast the fused layer keeps each LoRA weight's bf16 cast for an optimizer step. Training
+    steps must still see every update: bitsandbytes' 8-bit AdamW writes the weights without moving their
+    version counter, a checkpoint load moves only that. A stale cast would repeat the first step's outputs."""
+    import bitsandbytes as bnb
+
+    from tasks.train_adapter.fused_lora import CAST, fuse_lora_layers, unfuse_lora_layers
+
+    runs = {}
+    for fused in (False, True):
+        model = _lora_model("4bit")
+        layer = _q_proj(model)
+        (fuse_lora_layers if fused else unfuse_lora_layers)(model)
+        params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+        opt = (bnb.optim.AdamW8bit if optimizer == "bnb_8bit" else torch.optim.AdamW)(params, lr=2e-3)
+        x = torch.randn(6, layer.in_features, generator=torch.Generator().manual_seed(5))
+        outputs = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x)
+            outputs.append(y.detach().float())
+            y.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):  # a forward that caches the casts, then one after an in-place copy of a weight, as
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # a checkpoint load makes: no optimizer step
+                outputs.append(layer(x).detach().float())
+            with torch.no_grad():
+                params[1].copy_(params[1] * 0.5)
+        runs[fused] = outputs
+        assert fused == hasattr(params[0], CAST)
+    assert float((runs[False][1] - runs[False][0]).norm() / runs[False][0].norm()) > 0.1  # a step changes y
+    assert float((runs[False][4] - runs[False][3]).norm() / runs[False][3].norm()) > 0.1  # so does the copy
+    for got, want in zip(runs[True], runs[False], strict=True):
+        assert float((got - want).norm() / want.norm()) < 1e-2
+
+
 def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
     from tasks.train_adapter.fused_lora import fuse_lora_layers
 

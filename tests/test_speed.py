@@ -151,6 +151,28 @@ def test_offloaded_checkpointing_gives_the_same_gradients() -> None:
             torch.testing.assert_close(other[name], grads[0][name], rtol=1e-4, atol=1e-6)
 
 
+def test_offloaded_checkpointing_fetches_each_input_one_layer_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the backward pass each layer's saved input is already on its way back when that layer's turn comes:
+    the layer above started the copy (on a GPU, on the side stream, overlapping its own recomputation). Only the
+    top layer fetches its own."""
+    from tasks.train_adapter import checkpointing
+
+    ready: list[bool] = []
+    original = checkpointing._fetched
+
+    def spy(ctx: Any) -> Any:
+        ready.append(ctx.fetched is not None)
+        return original(ctx)
+
+    monkeypatch.setattr(checkpointing, "_fetched", spy)
+    base = _tiny()
+    enable_checkpointing(base, offload=True)
+    base.train()
+    ids = torch.randint(3, 1000, (1, 20), generator=torch.Generator().manual_seed(0))
+    base(input_ids=ids, labels=ids).loss.backward()
+    assert ready == [False] + [True] * (base.config.num_hidden_layers - 1)
+
+
 def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
     """offload_embeddings moves the table out of the model's parameters (so no model.to moves it back to a GPU);
     the loss and every LoRA gradient, the first layer's included, stay the same."""
@@ -189,6 +211,58 @@ def test_embeddings_kept_in_host_memory_give_the_same_gradients() -> None:
             torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
 
 
+def test_output_layer_kept_in_host_memory_gives_the_same_loss_and_gradients() -> None:
+    """offload_output_layer takes the frozen head out of the model's parameters (no model.to moves it back);
+    the fused loss, which alone uses it in training, gives the same loss and gradients to the bit."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks.train_adapter.loss import offload_output_layer
+
+    examples = _examples([30, 50, 9])
+    batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
+    inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    results = []
+    for host in (False, True):
+        torch.manual_seed(1)
+        base = _tiny().train()
+        assert use_fused_loss(base)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                init_lora_weights="gaussian"))
+        head = base.lm_head.weight.detach().clone()
+        if host:
+            assert offload_output_layer(base) and offload_output_layer(base)  # a second Trainer finds it done
+            assert "lm_head" not in "".join(model.state_dict())
+            model.to(torch.float64)
+            assert base.get_output_embeddings().weight.dtype == head.dtype
+            model.to(torch.float32)
+            torch.testing.assert_close(base.get_output_embeddings().weight, head, rtol=0, atol=0)
+        loss = model(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        with torch.no_grad():  # generation and other calls outside the loss still get the logits
+            logits = model(input_ids=inputs["input_ids"]).logits
+        results[-1][1]["logits"] = logits
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    assert grads1.keys() == grads0.keys() and len(grads0) > 1
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
+
+
+def test_output_layer_stays_where_the_fused_loss_is_not_used_or_the_head_is_shared_or_trained() -> None:
+    from tasks.train_adapter.loss import offload_output_layer
+
+    assert not offload_output_layer(_tiny())  # transformers' own loss calls the head module
+    tied = _tiny()
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    trained = _tiny()
+    trained.lm_head.weight.requires_grad_(True)
+    for model in (tied, trained):
+        assert use_fused_loss(model)
+        assert not offload_output_layer(model)
+        assert type(model.get_output_embeddings()) is torch.nn.Linear
+
+
 @pytest.mark.parametrize("overrides", [{}, {"offload_activations": True}, {"offload_activations": True,
                                                                         "offload_embeddings": False}])
 def test_training_batches_records_what_it_chose(overrides: dict[str, Any]) -> None:
@@ -203,6 +277,20 @@ def test_training_batches_records_what_it_chose(overrides: dict[str, Any]) -> No
     assert chosen.offload_embeddings == embeddings_on_host == (overrides.get("offload_embeddings", True)
                                                                and chosen.offload_activations)
     assert chosen.max_tokens_per_batch is None and len(packs) == chosen.packs == 1  # on CPU: 8 examples per pack
+    assert not chosen.offload_output_layer  # this model computes its own loss: its head stays a module
+
+
+def test_training_batches_moves_the_output_layer_with_the_embeddings_under_the_fused_loss() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    for embeddings in (True, False):
+        base = _tiny()
+        assert use_fused_loss(base)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+        speed = SpeedArgs(offload_activations=True, offload_embeddings=embeddings)
+        chosen = training_batches(model, _examples([30, 50]), TrainArgs(), speed)[2]
+        assert chosen.offload_output_layer == embeddings
+        assert (type(base.get_output_embeddings()).__name__ == "HostLinear") == embeddings
 
 
 def test_packed_examples_by_count_on_cpu() -> None:

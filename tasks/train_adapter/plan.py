@@ -17,7 +17,7 @@ from tasks.log import logger
 from tasks.train_adapter.attention import use_packed_attention
 from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
-from tasks.train_adapter.loss import fused_loss_unsupported, use_fused_loss
+from tasks.train_adapter.loss import fused_loss_unsupported, offload_output_layer, use_fused_loss
 from tasks.train_adapter.mlp import tile_mlp
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
@@ -39,6 +39,7 @@ class MicroBatches:
     offload_embeddings: bool
     max_tokens_per_batch: int | None  # tokens per packed micro-batch; None: packs of per_device_train_batch_size
     packs: int | None = None  # packed micro-batches per epoch
+    offload_output_layer: bool = False  # the frozen output layer in host memory (with offload_embeddings)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:
@@ -141,6 +142,8 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
                                                  else cuda and not several_processes())
     wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
     embeddings = bool(wanted) and offload_embeddings(model)
+    head = bool(wanted) and offload_output_layer(model.get_base_model() if hasattr(model, "get_base_model")
+                                                  else model)
     tokens = speed.max_tokens_per_batch
     if cuda and speed.packing and tokens is None:
         budget = micro_batch_tokens(gpu_budget_gb(speed), torch.cuda.memory_allocated(), model.config, offload, 0)
@@ -148,8 +151,8 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     if train.gradient_checkpointing:
         enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
     if not speed.packing:
-        batches = MicroBatches(False, offload, embeddings, None)
+        batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head)
         return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches
     per_pack = None if tokens is not None else train.per_device_train_batch_size
     packs = PackedExamples(examples, tokens, per_pack, train.seed)
-    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs))
+    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs), head)

@@ -23,11 +23,12 @@ from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
 from tasks.train_adapter.sizing import micro_batch_tokens
 
-# Tokens per packed micro-batch when none is set. Measured on an H200 with the 8B shape (bench/results/
-# 2026-11-30-h200x2-microstep.json, activations and embeddings offloaded): 5,546 tokens 10,079 tokens/s at 5.88 GiB,
-# 7,981 tokens 10,254 at 6.35 GiB, 16,133 tokens 10,757 at 7.91 GiB: past ~6k tokens the GPU is busy, and more
-# tokens buy a few per cent for more memory.
-AUTO_MAX_TOKENS = 6144
+# Tokens per packed micro-batch when none is set. Measured on an H200 with the 8B shape and the defaults (layer inputs,
+# embeddings and output layer in host memory; bench/results/2026-12-01-h200-issue15-packs.json, one run): 6,144 tokens
+# 9,144 tokens/s at 5.27 GiB peak, 8,192 9,394 at 5.57 GiB, 12,288 9,856 at 6.39 GiB. 8,192 keeps most of the gain
+# with 0.8 GiB to spare under issue 15's 6.4 GiB cap (earlier, with the output layer on the GPU: 6,144
+# tokens at 6.15 GiB, 8,192 at 6.55 GiB).
+AUTO_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)

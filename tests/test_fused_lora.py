@@ -135,15 +135,21 @@ def test_weights_cast_once_per_step_follow_every_update(optimizer: str) -> None:
             y.float().pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        for _ in range(2):  # a forward that caches the casts, then one after an in-place copy of a weight, as
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # a checkpoint load makes: no optimizer step
+        # a forward that caches the casts, then one after an in-place copy of a weight (as a checkpoint load
+        # makes: no optimizer step), then one after new storage is put in (`.data =`, no version change)
+        for change in ("copy", "data", None):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
                 outputs.append(layer(x).detach().float())
             with torch.no_grad():
-                params[1].copy_(params[1] * 0.5)
+                if change == "copy":
+                    params[1].copy_(params[1] * 0.5)
+                elif change == "data":
+                    params[1].data = params[1].data * 0.5
         runs[fused] = outputs
         assert fused == hasattr(params[0], CAST)
     assert float((runs[False][1] - runs[False][0]).norm() / runs[False][0].norm()) > 0.1  # a step changes y
-    assert float((runs[False][4] - runs[False][3]).norm() / runs[False][3].norm()) > 0.1  # so does the copy
+    for i in (4, 5):  # so do the copy and the new storage
+        assert float((runs[False][i] - runs[False][i - 1]).norm() / runs[False][i - 1].norm()) > 0.1
     for got, want in zip(runs[True], runs[False], strict=True):
         assert float((got - want).norm() / want.norm()) < 1e-2
 

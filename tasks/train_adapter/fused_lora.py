@@ -174,7 +174,7 @@ def _weight(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bitsandbytes' 8-bit optimizers write the weights without moving the version counter."""
     if p.dtype == dtype:
         return p
-    key = (_optimizer_steps[0], p._version, dtype)
+    key = (_optimizer_steps[0], p._version, p.data_ptr(), dtype)  # data_ptr: new storage put in by `p.data =`
     cached = getattr(p, CAST, None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -154,6 +154,31 @@ def test_weights_cast_once_per_step_follow_every_update(optimizer: str) -> None:
         assert float((got - want).norm() / want.norm()) < 1e-2
 
 
+def test_fused_layers_compile_without_graph_breaks() -> None:
+    """torch.compile (Dynamo) traces the fused 4-bit LoRA layers whole: no graph break (a class built inside the
+    traced code gave one per layer), the same loss and gradients. The ground for compiling decoder layers."""
+    import torch._dynamo
+
+    from tasks.train_adapter.fused_lora import fuse_lora_layers
+
+    reference = _loss_and_grads(_lora_model("4bit"), autocast=False)
+    model = _lora_model("4bit")
+    fuse_lora_layers(model)
+    for layer in model.get_base_model().model.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        loss, grads = _loss_and_grads(model, autocast=False)
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=0)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
+
+
 def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
     from tasks.train_adapter.fused_lora import fuse_lora_layers
 

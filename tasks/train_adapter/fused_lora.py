@@ -33,6 +33,7 @@ def fuse_lora_layers(model: Any) -> int:
     """Give every peft LoRA linear layer over an nn.Linear or bitsandbytes Linear4bit the fused forward.
     Returns how many layers got it."""
     _count_optimizer_steps()
+    _function()  # built here, outside any compiled region
     count = 0
     for module in model.modules():
         if type(module) in _lora_types() and _base_kind(module.get_base_layer()) and not hasattr(module, PATCHED):
@@ -187,8 +188,21 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # no dispatcher call when there is nothing to do
 
 
-@functools.cache
+_FUNCTION: Any = None  # the autograd Function class, once built
+
+
 def _function() -> Any:
+    """The autograd Function class, built on first use (fuse_lora_layers) and then read from a module global:
+    to torch.compile (Dynamo) that read is a constant, where a class definition, or a functools.cache wrapper
+    that Dynamo traces through to one, breaks the graph at every LoRA layer (26 breaks in the tiny 4-bit Llama's
+    four layers; with the global, none: bench/probe_compile.py)."""
+    global _FUNCTION
+    if _FUNCTION is None:
+        _FUNCTION = _build_function()
+    return _FUNCTION
+
+
+def _build_function() -> Any:
     import torch
 
     class _FusedLoraLinear(torch.autograd.Function):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-PATCHED = "_qlora_fused_forward"  # attribute marking a layer whose forward is ours
+PATCHED = "_qlora_fused_forward"  # attribute marking a layer whose forward is ours: the plain function it replaced
 CAST = "_qlora_cast"  # attribute of a LoRA weight holding its cast to the compute dtype: (key, tensor)
 _optimizer_steps = [0]  # optimizer steps taken in this process (any optimizer), for CAST's key
 
@@ -37,9 +37,10 @@ def fuse_lora_layers(model: Any) -> int:
     count = 0
     for module in model.modules():
         if type(module) in _lora_types() and _base_kind(module.get_base_layer()) and not hasattr(module, PATCHED):
-            original = module.forward
-            module.forward = types.MethodType(functools.partial(_forward, original=original), module)
-            setattr(module, PATCHED, original)
+            # the function, not the method bound to this layer: torch.compile then sees the same function in every
+            # layer (a per-layer object in the traced code makes it compile each layer anew, past its limit of 8)
+            setattr(module, PATCHED, module.forward.__func__)
+            module.forward = types.MethodType(_forward, module)
             count += 1
     return count
 
@@ -105,9 +106,12 @@ def _dropout_free(dropout: Any) -> bool:
                                                    and (dropout.p == 0 or not dropout.training))
 
 
-def _forward(self: Any, x: torch.Tensor, *args: Any, original: Any, **kwargs: Any) -> torch.Tensor:
+def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The fused forward of a peft LoRA layer, or peft's own where the fused maths would differ."""
     import torch
+
+    def original(*args_: Any, **kwargs_: Any) -> torch.Tensor:
+        return getattr(self, PATCHED)(self, *args_, **kwargs_)
 
     if args or kwargs or self.disable_adapters or self.merged:
         return original(x, *args, **kwargs)

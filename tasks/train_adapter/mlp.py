@@ -13,9 +13,15 @@ def tile_mlp(model: Any, chunk: int) -> int:
     """Run each decoder layer's MLP over at most `chunk` tokens at a time, each chunk checkpointed on its own:
     the (tokens x intermediate_size) activations of a long sequence never exist at once, for one more MLP
     forward in the backward pass. Returns how many MLPs were changed."""
+    import types
+
     layers = decoder_layers(model)
     for layer in layers:
-        layer.mlp.forward = functools.partial(_tiled_mlp, layer.mlp.forward, chunk)
+        # the MLP's forward function (Liger's, where Liger swapped it in), not the method bound to this MLP, and
+        # the chunk as a plain int: torch.compile then sees the same function and constants in every layer
+        untiled = layer.mlp.forward
+        layer.mlp._qlora_untiled, layer.mlp._qlora_chunk = untiled.__func__, chunk
+        layer.mlp.forward = types.MethodType(_tiled_mlp, layer.mlp)
     return len(layers)
 
 
@@ -30,10 +36,11 @@ def decoder_layers(model: Any) -> list[Any]:
     return []
 
 
-def _tiled_mlp(forward: Any, chunk: int, x: torch.Tensor) -> torch.Tensor:
+def _tiled_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     import torch
     import torch.utils.checkpoint
 
+    forward, chunk = functools.partial(mlp._qlora_untiled, mlp), mlp._qlora_chunk
     if x.shape[-2] <= chunk:
         return forward(x)
     parts = x.split(chunk, dim=-2)

@@ -110,8 +110,7 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     """The fused forward of a peft LoRA layer, or peft's own where the fused maths would differ."""
     import torch
 
-    def original(*args_: Any, **kwargs_: Any) -> torch.Tensor:
-        return getattr(self, PATCHED)(self, *args_, **kwargs_)
+    original = functools.partial(getattr(self, PATCHED), self)  # peft's forward
 
     if args or kwargs or self.disable_adapters or self.merged:
         return original(x, *args, **kwargs)

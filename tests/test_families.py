@@ -139,6 +139,7 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
         if levers:  # on a CPU too, when asked for; a tied or scaled embedding steps aside, saying why
             assert choice.offload_activations
             assert choice.offload_embeddings or "embedding offload steps aside" in caplog.text
+            assert choice.offload_output_layer or "output layer offload steps aside" in caplog.text
         model.train()
         assert len(packs) == 1
         results.append(_loss_and_grads(model, collator([packs[0]])))

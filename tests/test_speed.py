@@ -249,10 +249,15 @@ def test_output_layer_kept_in_host_memory_gives_the_same_loss_and_gradients() ->
         torch.testing.assert_close(grads1[name], grads0[name], rtol=0, atol=0)
 
 
-def test_output_layer_stays_where_the_fused_loss_is_not_used_or_the_head_is_shared_or_trained() -> None:
+def test_output_layer_stays_where_the_fused_loss_is_not_used_or_the_head_is_shared_or_trained(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
     from tasks.train_adapter.loss import offload_output_layer
 
+    caplog.set_level(logging.INFO, logger="qlora_pipeline")
     assert not offload_output_layer(_tiny())  # transformers' own loss calls the head module
+    assert "output layer offload steps aside: the fused loss is not in use" in caplog.text
     tied = _tiny()
     tied.lm_head.weight = tied.model.embed_tokens.weight
     trained = _tiny()
@@ -261,6 +266,7 @@ def test_output_layer_stays_where_the_fused_loss_is_not_used_or_the_head_is_shar
         assert use_fused_loss(model)
         assert not offload_output_layer(model)
         assert type(model.get_output_embeddings()) is torch.nn.Linear
+    assert "tied to the input embedding" in caplog.text and "the output layer is trained" in caplog.text
 
 
 @pytest.mark.parametrize("overrides", [{}, {"offload_activations": True}, {"offload_activations": True,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from tasks.log import logger
+
 if TYPE_CHECKING:
     import torch
 
@@ -151,20 +153,36 @@ def offload_output_layer(causal_lm: Any) -> bool:
     micro-batch (about 20 ms for 1 GiB). False where not possible: no fused loss, a trained, tied or
     biased head, or several processes (DDP broadcasts every parameter over NCCL, which takes GPU tensors only).
     True if already done (an earlier Trainer on the same model)."""
+    head = causal_lm.get_output_embeddings()
+    if isinstance(head, _host_linear_type()):
+        return True
+    reason = _output_layer_offload_unsupported(causal_lm)
+    if reason:
+        logger().info("train_adapter: output layer offload steps aside: %s", reason)
+        return False
+    causal_lm.set_output_embeddings(_host_linear_type()(head))
+    return True
+
+
+def _output_layer_offload_unsupported(causal_lm: Any) -> str | None:
+    """Why the output layer cannot move to CPU memory, or None."""
     import torch
 
     from tasks.train_adapter.parallel import several_processes
 
-    head = causal_lm.get_output_embeddings()
-    if isinstance(head, _host_linear_type()):
-        return True
-    emb = causal_lm.get_input_embeddings()
-    if (not getattr(causal_lm, "_qlora_fused_loss", False) or type(head) is not torch.nn.Linear
-            or head.bias is not None or head.weight.requires_grad or head.weight is getattr(emb, "weight", None)
-            or several_processes()):
-        return False
-    causal_lm.set_output_embeddings(_host_linear_type()(head))
-    return True
+    head, emb = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
+    if not getattr(causal_lm, "_qlora_fused_loss", False):
+        return "the fused loss is not in use (transformers computes the loss from the output layer module)"
+    bias = getattr(head, "bias", None) is not None
+    if type(head) is not torch.nn.Linear or bias:
+        return f"the output layer is a {type(head).__name__}{' with a bias' if bias else ''}"
+    if head.weight is getattr(emb, "weight", None):
+        return "the output layer is tied to the input embedding"
+    if head.weight.requires_grad:
+        return "the output layer is trained"
+    if several_processes():
+        return "several processes (DDP broadcasts parameters over NCCL, GPU tensors only)"
+    return None
 
 
 @functools.cache

@@ -143,14 +143,14 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
                                                  else cuda and not several_processes())
     wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
     embeddings = bool(wanted) and offload_embeddings(model)
-    head = bool(wanted) and offload_output_layer(model.get_base_model() if hasattr(model, "get_base_model")
-                                                  else model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = bool(wanted) and offload_output_layer(base)
     tokens = speed.max_tokens_per_batch
     if cuda and speed.packing and tokens is None:
         budget = micro_batch_tokens(gpu_budget_gb(speed), torch.cuda.memory_allocated(), model.config, offload, 0)
         tokens = max(min(budget, AUTO_MAX_TOKENS), min(longest, 1024))
     if train.gradient_checkpointing:
-        enable_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model, offload)
+        enable_checkpointing(base, offload)
     if not speed.packing:
         batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head)
         return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches

@@ -148,7 +148,8 @@ def _task_states(flow_run_id: Any) -> dict[str, list[str]]:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     states: dict[str, list[str]] = {}
     for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
-        states.setdefault(run.task_key.split("-")[0], []).append(run.state.name)
+        # Prefect 3 records task runs from events: a run can be read before its first state lands.
+        states.setdefault(run.task_key.split("-")[0], []).append(run.state.name if run.state else "(no state yet)")
     return states
 
 

@@ -154,11 +154,13 @@ def test_weights_cast_once_per_step_follow_every_update(optimizer: str) -> None:
         assert float((got - want).norm() / want.norm()) < 1e-2
 
 
-def test_fused_layers_compile_without_graph_breaks_once_for_all_layers() -> None:
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_layers_compile_without_graph_breaks_once_for_all_layers(autocast: bool) -> None:
     """torch.compile (Dynamo) traces decoder layers with the fused 4-bit LoRA layers and the chunked MLP whole:
-    no graph break (a class built inside the traced code gave one per LoRA layer), one compiled graph for all four
-    layers (per-layer objects in the traced code, such as methods bound to each layer, made it compile every
-    layer anew, and stop compiling after 8), the same loss and gradients. The ground for compiling layers."""
+    no graph break (a class built inside the traced code gave one per LoRA layer; under autocast, the LoRA
+    weight cast cache gave one per layer on the GPU), one compiled graph for all four layers (per-layer objects in
+    the traced code, such as methods bound to each layer, made it compile every layer anew, and stop compiling
+    after 8), the loss and gradients of the same layers run eagerly. The ground for compiling layers."""
     import torch._dynamo
 
     from tasks.train_adapter.fused_lora import fuse_lora_layers
@@ -167,15 +169,15 @@ def test_fused_layers_compile_without_graph_breaks_once_for_all_layers() -> None
     models = [_lora_model("4bit"), _lora_model("4bit")]
     for model in models:
         tile_mlp(model.get_base_model(), 16)  # 37 tokens: three chunks, each checkpointed
-    reference = _loss_and_grads(models[0], autocast=False)
+        fuse_lora_layers(model)
+    reference = _loss_and_grads(models[0], autocast=autocast)
     model = models[1]
-    fuse_lora_layers(model)
     for layer in model.get_base_model().model.layers:
         layer.compile(backend="aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        loss, grads = _loss_and_grads(model, autocast=False)
+        loss, grads = _loss_and_grads(model, autocast=autocast)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     finally:

@@ -176,8 +176,14 @@ def _weight(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     spends its time on at small micro-batches). The cast is the same; it is made again after any optimizer step
     (the optimizers' hook) or in-place change (the version counter: a loaded checkpoint). Both are needed:
     bitsandbytes' 8-bit optimizers write the weights without moving the version counter."""
+    import torch
+
     if p.dtype == dtype:
         return p
+    if torch.compiler.is_compiling():
+        # a compiled graph cannot hold this cache (Dynamo cannot guard on data_ptr or _version: a graph break
+        # at every LoRA layer on a GPU), and needs none: the cast is one node that inductor fuses
+        return p.detach().to(dtype)
     key = (_optimizer_steps[0], p._version, p.data_ptr(), dtype)  # data_ptr: new storage put in by `p.data =`
     cached = getattr(p, CAST, None)
     if cached is not None and cached[0] == key:

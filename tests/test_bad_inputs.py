@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -166,10 +167,15 @@ def test_max_seq_length_beyond_the_models_positions(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("offline", ["1", "0"])
 def test_hub_ids_that_cannot_be_resolved_fail_fast_without_retries(tmp_path: Path, offline: str) -> None:
-    """No network here: online mode cannot connect, offline mode has no cache entry; both fail at once."""
+    """Online mode cannot connect (the hub endpoint is a closed localhost port), offline mode has no cache entry;
+    both fail at once."""
     code = ("from tasks.runtime import resolve_hub_revision\n"
             "resolve_hub_revision('nobody/no-such-model-xyz', None)")
-    env = {**os.environ, "HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf")}
+    with socket.socket() as s:  # a port nothing listens on: bound, never listened to, released
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf"),
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
     started = time.time()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=PROJECT_ROOT)
     assert time.time() - started < 30

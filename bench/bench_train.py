@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# for `bench.*` without PYTHONPATH; appended, not put first: a sweep entry's tree must keep its own tasks/ first
+sys.path.append(str(ROOT))
 VOCAB = 128256
 GIB = 2**30
 
@@ -145,7 +147,7 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
         examples = ParquetExamples(write_examples(data, rows))
         res: dict[str, Any] = {"name": run.get("name", str(i)), "train": run.get("train", {})}
         try:
-            res.update(_train_once(model, examples, train, data.parent, model_dir, run))
+            res.update(_train_once(model, examples, train, data.parent, model_dir, run, spec.get("compile")))
         except torch.OutOfMemoryError as exc:
             res.update(oom=True, error=str(exc).splitlines()[0][:200])
         print("RUN " + json.dumps(res), flush=True)
@@ -160,14 +162,18 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, model_dir: Path, run: dict[str, Any]
-                ) -> dict[str, Any]:
+def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, model_dir: Path, run: dict[str, Any],
+                compile_how: str | None = None) -> dict[str, Any]:
     import torch
     from transformers import TrainerCallback
 
     from tasks.train_adapter import fit
 
     trainer, chosen = fit._trainer(model, examples, *train, out, model_dir)
+    if compile_how:  # after the Trainer: it sets the checkpoint function that "inside" wraps
+        from bench.compile_layers import compile_layers
+
+        compile_layers(model, compile_how)
     collator = trainer.data_collator
     res: dict[str, Any] = {}
     if run.get("loss_check"):
@@ -203,6 +209,10 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
     if len(marks) == 2:  # time from the end of the 2nd optimizer step (warm-up) to the end of the last
         (t0, k0), (t1, k1) = marks
         res.update(timed_steps=steps[0] - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))
+    if compile_how:
+        from bench.compile_layers import dynamo_counts
+
+        res["dynamo"] = dynamo_counts()
     if profiler is not None:
         res["step_profile"] = profiler.report
     if run.get("profile"):
@@ -483,7 +493,8 @@ def main() -> None:
     ap.add_argument("--pipeline-ladder", default="32768,65536,98304,131072")
     ap.add_argument("--reference-ladder", default="2048,4096")
     ap.add_argument("--unsloth-ladder", default="32768,65536")
-    ap.add_argument("--sweep", default="", help="JSON list of extra pipeline workers {name, lora, train, runs}")
+    ap.add_argument("--sweep", default="", help="JSON list of extra pipeline workers {name, lora, train, runs}, "
+                    "optionally tree (another commit's tasks/) and compile (layers or inside: bench/compile_layers.py)")
     ap.add_argument("--profile-tokens", type=int, default=0, help="profile one pipeline micro-step of this size")
     ap.add_argument("--skip", default="", help="comma list of: reference, unsloth, caps, pipeline")
     ap.add_argument("--out", default="bench/results")
@@ -528,7 +539,7 @@ def main() -> None:
         save()
     for extra in json.loads(a.sweep or "[]"):
         spec = {**base, "name": extra["name"], "lora": extra.get("lora", {}), "train": extra.get("train", {}),
-                "runs": extra["runs"]}
+                "runs": extra["runs"], "compile": extra.get("compile")}
         result.setdefault("sweep", {})[extra["name"]] = runner.run(f"sweep {extra['name']}",
                                                                    worker_cmd("pipeline", spec), tree_env(extra))
         save()

@@ -94,35 +94,6 @@ def build(device: str, checkpoint: str, source: str, speed: dict[str, Any]) -> A
     return model.train()
 
 
-def compiled_inside(checkpoint: Any, backend: str) -> Any:
-    """The layer's checkpoint function, running a compiled layer forward: transformers 5.24 hands it
-    partial(forward, layer, **kwargs), and Dynamo cannot trace the offloaded checkpoint's Function around it,
-    so the compiled region is the forward inside, compiled once for all layers (same code, layers as inputs)."""
-    import functools
-
-    compiled = _compiled_forward(backend)
-
-    def run(function: Any, *args: Any, **kwargs: Any) -> Any:
-        inner = functools.partial(compiled(function.func), *function.args, **function.keywords)
-        return checkpoint(inner, *args, **kwargs)
-
-    return run
-
-
-_COMPILED: dict[Any, Any] = {}
-
-
-def _compiled_forward(backend: str) -> Any:
-    import torch
-
-    def get(func: Any) -> Any:
-        if func not in _COMPILED:
-            _COMPILED[func] = torch.compile(func, backend=backend)
-        return _COMPILED[func]
-
-    return get
-
-
 def forward_backward(model: Any, batch: dict[str, Any], bf16: bool) -> Any:
     import torch
 
@@ -162,6 +133,7 @@ def main() -> None:
     import torch
     import torch._dynamo
 
+    from bench.compile_layers import compile_layers, dynamo_counts
     from tasks.config import EMBEDDED_MODEL
     from tasks.train_adapter.mlp import decoder_layers
 
@@ -185,12 +157,7 @@ def main() -> None:
     for compiled in (False, True):
         model = build(a.device, a.checkpoint, source, {"use_liger_kernel": False} if a.no_liger else {})
         if compiled:
-            for layer in decoder_layers(model):
-                if a.checkpoint == "offload" and a.inside:
-                    layer._gradient_checkpointing_func = compiled_inside(layer._gradient_checkpointing_func,
-                                                                         a.backend)
-                else:
-                    layer.compile(backend=a.backend)
+            compile_layers(model, "inside" if a.checkpoint == "offload" and a.inside else "layers", a.backend)
         start = time.time()
         first = step(model, batch, bf16)
         first_s = time.time() - start
@@ -200,11 +167,10 @@ def main() -> None:
         del model
     (eager, _, _), (fused, again, first_s) = results[False], results[True]
     worst = max(float((fused[1][n] - eager[1][n]).norm() / eager[1][n].norm()) for n in eager[1])
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    counts = dynamo_counts()
     print(f"backend {a.backend}, checkpoint {a.checkpoint}, {a.device}: {len(eager[1])} LoRA gradients, "
           f"loss {eager[0]:.6f} eager / {fused[0]:.6f} compiled, worst gradient relative difference {worst:.2e}, "
-          f"{layers} layers, graph breaks {breaks}, compiled graphs {graphs}, "
+          f"{layers} layers, graph breaks {counts['graph_breaks']}, compiled graphs {counts['compiled_graphs']}, "
           f"first compiled step {first_s:.1f} s, "
           f"second step loss {again[0]:.6f}")
     for reason, n in torch._dynamo.utils.counters["graph_break"].items():

@@ -187,6 +187,36 @@ def test_fused_layers_compile_without_graph_breaks_once_for_all_layers(autocast:
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
 
 
+def test_layer_forward_compiled_inside_the_offloaded_checkpoint() -> None:
+    """bench/compile_layers.py's "inside" way, the one the defaults' offloaded checkpoint needs: the decoder
+    layer's forward compiled inside the checkpoint, for all layers at once, recomputed in the backward pass; loss
+    and gradients as the same layers run eagerly, under bf16 autocast (the LoRA weight cast in the graph)."""
+    import torch._dynamo
+
+    from bench.compile_layers import compile_layers, dynamo_counts
+    from tasks.train_adapter.checkpointing import enable_checkpointing
+    from tasks.train_adapter.fused_lora import fuse_lora_layers
+
+    models = [_lora_model("4bit"), _lora_model("4bit")]
+    for model in models:
+        fuse_lora_layers(model)
+        enable_checkpointing(model.get_base_model(), offload=True)
+    reference = _loss_and_grads(models[0], autocast=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        assert compile_layers(models[1], "inside", backend="aot_eager") == 4
+        loss, grads = _loss_and_grads(models[1], autocast=True)
+        # two graphs for all four layers: the forward (no autograd inside the checkpoint's Function) and the
+        # recomputation in the backward pass (with autograd)
+        assert dynamo_counts() == {"graph_breaks": 0, "compiled_graphs": 2}
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss, reference[0], rtol=0, atol=0)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
     from tasks.train_adapter.fused_lora import fuse_lora_layers
 

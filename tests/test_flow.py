@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,17 @@ def test_rerun_of_unchanged_config_is_cached_and_writes_nothing(default_run: dic
     assert _file_stamps(stage_dirs) == before  # no stage wrote, or even rewrote, a file
     # Prefect itself reports the reused stages as Cached (what the UI shows)
     flow_run_id = Path(summary["run_dir"]).name.split("-")[-1]
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(sort="START_TIME_DESC", limit=1)
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+    deadline = time.time() + 60  # task run states reach the server as events: they may land after the flow ends
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(sort="START_TIME_DESC", limit=1)
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+        names = sorted(t.state.name if t.state else "(no state yet)" for t in task_runs)
+        if names == ["Cached"] * 5 or time.time() > deadline:
+            break
+        time.sleep(1)
     assert str(runs[0].id).startswith(flow_run_id)
-    assert sorted(t.state.name for t in task_runs) == ["Cached"] * 5
+    assert names == ["Cached"] * 5
     exports = default_run["runs_dir"] / "exports" / "adapter"
     assert sorted(p.name for p in exports.glob("v*")) == ["v0001"]  # a cached export publishes nothing
 

@@ -153,6 +153,18 @@ def _task_states(flow_run_id: Any) -> dict[str, list[str]]:
     return states
 
 
+def _settled_task_states(flow_run_id: Any, timeout: float = 60) -> dict[str, list[str]]:
+    """_task_states once no task run is without a state, Pending or Running (or after timeout): states reach
+    the server as events, and may land after the flow run's own final state."""
+    deadline = time.time() + timeout
+    while True:
+        states = _task_states(flow_run_id)
+        unsettled = [s for v in states.values() for s in v if s in ("(no state yet)", "Pending", "Running")]
+        if not unsettled or time.time() > deadline:
+            return states
+        time.sleep(1)
+
+
 def _artifact_keys(flow_run_id: Any) -> set[str]:
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -188,7 +200,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
     config = _config(tmp_path / "runs", data)
     first = _wait(_start_run("embedded-default", config))
     assert first.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in _task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
+    assert {k: v[-1] for k, v in _settled_task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
     keys = _artifact_keys(first.id)
     assert {"prepare-data", "prepare-model", "train-adapter", "evaluate-adapter", "export-adapter",
             "train-progress", "loss-curve", "eval-samples", "eval-metrics"} <= keys
@@ -196,7 +208,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
 
     again = _wait(_start_run("embedded-default", config))
     assert again.state.type.value == "COMPLETED"
-    assert {k: v[-1] for k, v in _task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in _settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
 
 
 def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, Any], tmp_path: Path) -> None:
@@ -216,7 +228,7 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     data.write_text(good + "{not json\n")  # last night's export went wrong
     failed = _wait(_start_run("nightly", config))
     assert failed.state.type.value == "FAILED"
-    assert _task_states(failed.id) == {"prepare_data": ["Failed"]}
+    assert _settled_task_states(failed.id) == {"prepare_data": ["Failed"]}
     assert "line(s)" in failed.state.message or "bad rows" in failed.state.message
     assert "run-failure" in _artifact_keys(failed.id)
 
@@ -225,7 +237,7 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
         client.set_flow_run_state(failed.id, Scheduled(message="Retried"), force=True)
     retried = _wait(failed.id)
     assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in _task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in _settled_task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
     assert {p: p.stat().st_mtime_ns for p in manifests} == manifests  # nothing recomputed
 
     deadline = time.time() + 90  # the automation fires from the server's event stream
@@ -404,7 +416,7 @@ def test_a_killed_run_crashes_alerts_and_leaves_no_task_running(server: dict[str
     while time.time() < deadline and not (_artifacts(run_id, "run-failure")
                                           and any(str(run_id) in m.get("body", "") for m in server["hook"])):
         time.sleep(1)
-    states = _task_states(run_id)
+    states = _settled_task_states(run_id)
     assert states["train_adapter"] == ["Crashed"] and not [s for v in states.values() for s in v
                                                             if s in ("Running", "Pending")], states
     failure = _artifacts(run_id, "run-failure")

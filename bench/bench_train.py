@@ -167,12 +167,11 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
     import torch
     from transformers import TrainerCallback
 
+    from bench.compile_layers import compile_layers, dynamo_counts
     from tasks.train_adapter import fit
 
     trainer, chosen = fit._trainer(model, examples, *train, out, model_dir)
     if compile_how:  # after the Trainer: it sets the checkpoint function that "inside" wraps
-        from bench.compile_layers import compile_layers
-
         compile_layers(model, compile_how)
     collator = trainer.data_collator
     res: dict[str, Any] = {}
@@ -210,8 +209,6 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
         (t0, k0), (t1, k1) = marks
         res.update(timed_steps=steps[0] - 2, timed_tokens=k1 - k0, real_tokens_per_s=round((k1 - k0) / (t1 - t0), 1))
     if compile_how:
-        from bench.compile_layers import dynamo_counts
-
         res["dynamo"] = dynamo_counts()
     if profiler is not None:
         res["step_profile"] = profiler.report

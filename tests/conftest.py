@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,29 @@ def cli_env(prefect_home: Path) -> dict[str, str]:
 
 def last_json(stdout: str) -> dict[str, Any]:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def task_states(flow_run_id: Any) -> dict[str, list[str]]:
+    """The states of a flow run's task runs, by stage, oldest first."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    states: dict[str, list[str]] = {}
+    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        # Prefect 3 records task runs from events: a run can be read before its first state lands.
+        states.setdefault(run.task_key.split("-")[0], []).append(run.state.name if run.state else "(no state yet)")
+    return states
+
+
+def settled_task_states(flow_run_id: Any, timeout: float = 60) -> dict[str, list[str]]:
+    """task_states once no task run is without a state, Pending or Running (or after timeout): states reach
+    the server as events, and may land after the flow run's own final state."""
+    deadline = time.time() + timeout
+    while True:
+        states = task_states(flow_run_id)
+        unsettled = [s for v in states.values() for s in v if s in ("(no state yet)", "Pending", "Running")]
+        if not unsettled or time.time() > deadline:
+            return states
+        time.sleep(1)

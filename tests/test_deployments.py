@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tasks.config import EMBEDDED_DATA, PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config
+from tests.conftest import settled_task_states, task_states
 
 pytestmark = pytest.mark.slow  # whole flow runs against a real Prefect server
 
@@ -140,31 +141,6 @@ def _wait(flow_run_id: Any, timeout: float = 600) -> Any:
     raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout}s")
 
 
-def _task_states(flow_run_id: Any) -> dict[str, list[str]]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    states: dict[str, list[str]] = {}
-    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
-        # Prefect 3 records task runs from events: a run can be read before its first state lands.
-        states.setdefault(run.task_key.split("-")[0], []).append(run.state.name if run.state else "(no state yet)")
-    return states
-
-
-def _settled_task_states(flow_run_id: Any, timeout: float = 60) -> dict[str, list[str]]:
-    """_task_states once no task run is without a state, Pending or Running (or after timeout): states reach
-    the server as events, and may land after the flow run's own final state."""
-    deadline = time.time() + timeout
-    while True:
-        states = _task_states(flow_run_id)
-        unsettled = [s for v in states.values() for s in v if s in ("(no state yet)", "Pending", "Running")]
-        if not unsettled or time.time() > deadline:
-            return states
-        time.sleep(1)
-
-
 def _artifact_keys(flow_run_id: Any) -> set[str]:
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -200,7 +176,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
     config = _config(tmp_path / "runs", data)
     first = _wait(_start_run("embedded-default", config))
     assert first.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in _settled_task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
+    assert {k: v[-1] for k, v in settled_task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
     keys = _artifact_keys(first.id)
     assert {"prepare-data", "prepare-model", "train-adapter", "evaluate-adapter", "export-adapter",
             "train-progress", "loss-curve", "eval-samples", "eval-metrics"} <= keys
@@ -208,7 +184,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
 
     again = _wait(_start_run("embedded-default", config))
     assert again.state.type.value == "COMPLETED"
-    assert {k: v[-1] for k, v in _settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
 
 
 def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, Any], tmp_path: Path) -> None:
@@ -228,7 +204,7 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     data.write_text(good + "{not json\n")  # last night's export went wrong
     failed = _wait(_start_run("nightly", config))
     assert failed.state.type.value == "FAILED"
-    assert _settled_task_states(failed.id) == {"prepare_data": ["Failed"]}
+    assert settled_task_states(failed.id) == {"prepare_data": ["Failed"]}
     assert "line(s)" in failed.state.message or "bad rows" in failed.state.message
     assert "run-failure" in _artifact_keys(failed.id)
 
@@ -237,7 +213,7 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
         client.set_flow_run_state(failed.id, Scheduled(message="Retried"), force=True)
     retried = _wait(failed.id)
     assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in _settled_task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in settled_task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
     assert {p: p.stat().st_mtime_ns for p in manifests} == manifests  # nothing recomputed
 
     deadline = time.time() + 90  # the automation fires from the server's event stream
@@ -401,8 +377,8 @@ def test_a_killed_run_crashes_alerts_and_leaves_no_task_running(server: dict[str
     config = {**_config(tmp_path / "runs", data), "train": {"max_steps": 400, "save_steps": 100, "logging_steps": 1}}
     run_id = _start_run("embedded-default", config)
     deadline = time.time() + 300
-    while _task_states(run_id).get("train_adapter", [""])[-1] != "Running":
-        assert time.time() < deadline, _task_states(run_id)
+    while task_states(run_id).get("train_adapter", [""])[-1] != "Running":
+        assert time.time() < deadline, task_states(run_id)
         time.sleep(1)
     time.sleep(3)  # training, not starting
     pids = _flow_run_pids(run_id)
@@ -416,7 +392,7 @@ def test_a_killed_run_crashes_alerts_and_leaves_no_task_running(server: dict[str
     while time.time() < deadline and not (_artifacts(run_id, "run-failure")
                                           and any(str(run_id) in m.get("body", "") for m in server["hook"])):
         time.sleep(1)
-    states = _settled_task_states(run_id)
+    states = settled_task_states(run_id)
     assert states["train_adapter"] == ["Crashed"] and not [s for v in states.values() for s in v
                                                             if s in ("Running", "Pending")], states
     failure = _artifacts(run_id, "run-failure")

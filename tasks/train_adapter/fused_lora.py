@@ -9,10 +9,7 @@ Here the same maths runs as
     y = x @ W.T + scale * (x @ A.T) @ B.T        (W: the frozen base weight, 4-bit or not)
 
 in one compute dtype inside one torch.autograd.Function, whose backward dequantizes W again rather than
-keeping it (memory) and returns grad_x, grad_A, grad_B. The small LoRA product is computed first and the base
-GEMM adds onto it (cuBLAS's beta), in the forward (y) and in the backward (grad_x): the GEMM reads that
-(tokens x features) term in its epilogue, where a separate add after it read and wrote the whole output again
-(the LoRA adds were 7% of an H200's time per step at 16k-token packs: bench/README.md, issue 15). Only forward and backward change: the parameters,
+keeping it (memory) and returns grad_x, grad_A, grad_B. Only forward and backward change: the parameters,
 their names and the saved adapter stay peft's own. A layer falls back to peft's forward whenever the fused
 maths would differ: dropout > 0 in training, merged or disabled adapters, several active adapters, DoRA
 and other variants, extra forward arguments, a trainable base weight or bias.
@@ -149,6 +146,21 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype)
 
 
+def _base_matmul(base: Any, kind: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T (+ frozen bias) in x's dtype, without autograd (called inside the Function)."""
+    import torch
+
+    if kind == "4bit":
+        import bitsandbytes as bnb
+
+        bias = None if base.bias is None else _cast(base.bias, x.dtype)
+        # grad mode is off in a Function's forward: bnb calls its gemm_4bit op directly, as MatMul4Bit does
+        return bnb.matmul_4bit(x, base.weight, bias=bias, quant_state=base.weight.quant_state)
+    bias = None if base.bias is None else _cast(base.bias, x.dtype)
+    weight = _cast(base.weight, x.dtype)
+    return torch.nn.functional.linear(x, weight.t() if kind == "conv1d" else weight, bias)
+
+
 def _base_weight(base: Any, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """W (out x in) in dtype: dequantized again for the backward pass, never kept between passes."""
     if kind == "4bit":
@@ -212,13 +224,11 @@ def _build_function() -> Any:
             x2 = _cast(x.reshape(-1, shape[-1]), dtype)
             a_c, b_c = _weight(a, dtype), _weight(b, dtype)
             xa = torch.mm(x2, a_c.t())  # (tokens, r)
-            # the LoRA term (tokens, out) first, with the frozen bias if any; then x @ W.T as bitsandbytes'
-            # MatMul4Bit computes it past its small-batch kernels (dequantize, then a GEMM), adding onto it
-            if base.bias is None:
-                out, beta = torch.mm(xa, b_c.t()), scale
+            out = _base_matmul(base, kind, x2)
+            if out.dtype == dtype:
+                out = out.addmm_(xa, b_c.t(), alpha=scale)
             else:
-                out, beta = torch.addmm(_cast(base.bias, dtype), xa, b_c.t(), alpha=scale), 1.0
-            out = out.addmm_(x2, _base_weight(base, kind, dtype).t(), beta=beta)
+                out = out + scale * torch.mm(xa, b_c.t())
             ctx.base, ctx.kind, ctx.scale, ctx.dtype, ctx.x_dtype, ctx.shape = base, kind, scale, dtype, x.dtype, shape
             ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, xa if ctx.needs_input_grad[2] else None,
                                   a, b)
@@ -231,8 +241,8 @@ def _build_function() -> Any:
             g = _cast(grad.reshape(-1, grad.shape[-1]), dtype)
             grad_x = grad_a = grad_b = None
             g_xa = torch.mm(g, _weight(b, dtype)).mul_(scale)  # gradient at x @ A.T, (tokens, r)
-            if ctx.needs_input_grad[0]:  # the LoRA term first, the base GEMM adds onto it
-                grad_x = torch.mm(g_xa, _weight(a, dtype)).addmm_(g, _base_weight(ctx.base, ctx.kind, dtype))
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.mm(g, _base_weight(ctx.base, ctx.kind, dtype)).addmm_(g_xa, _weight(a, dtype))
                 grad_x = _cast(grad_x.view(ctx.shape), ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 grad_a = _cast(torch.mm(g_xa.t(), x2), a.dtype)

@@ -408,3 +408,27 @@ def test_the_memory_budget_defaults_to_the_card_so_large_models_get_full_packs(m
     assert micro_batch_tokens(16.0, int(36.5 * gib), llama70, True, 0) == 0  # the old default: nothing left
     assert micro_batch_tokens(budget, int(4.5 * gib), llama8, True, 0) >= plan.AUTO_MAX_TOKENS
     assert plan.gpu_budget_gb(SpeedArgs(gpu_memory_budget_gb=12)) == 12
+
+
+def test_the_optimizer_defaults_to_fused_adamw_on_a_gpu_and_paged_8bit_elsewhere(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """train.optim None: torch's fused AdamW on a GPU (bitsandbytes' 8-bit optimizers wait for the GPU after every
+    LoRA tensor), its plain AdamW under FSDP, and on CPU bitsandbytes' paged 8-bit AdamW as before, so CPU runs
+    train as they always did; a set optimizer is kept everywhere."""
+    from transformers import TrainingArguments
+
+    from tasks.train_adapter import plan
+
+    def chosen(fsdp: bool = False, **train: Any) -> str:
+        return plan.trainer_settings(TrainArgs(**train), SpeedArgs(fsdp=fsdp))["optim"]
+
+    settings = plan.trainer_settings(TrainArgs(), SpeedArgs())  # this machine has no GPU
+    assert TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **settings).optim == "paged_adamw_8bit"
+    assert chosen(optim="adamw_8bit") == "adamw_8bit"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert chosen() == "adamw_torch_fused"
+    assert chosen(optim="paged_adamw_8bit") == "paged_adamw_8bit"
+    assert chosen(fsdp=True) == "adamw_torch_fused"  # FSDP needs several processes; alone it is off
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert chosen() == "adamw_torch_fused"  # DDP
+    assert chosen(fsdp=True) == "adamw_torch"

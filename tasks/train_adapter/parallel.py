@@ -48,7 +48,7 @@ def fsdp_settings(train: TrainArgs, speed: SpeedArgs, model: Any) -> dict[str, A
     settings: dict[str, Any] = {"fsdp": True, "fsdp_config": {
         "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
         "state_dict_type": "SHARDED_STATE_DICT"}}
-    if train.optim != "adamw_torch":
+    if train.optim not in (None, "adamw_torch"):  # None: plan.optimizer picks adamw_torch under FSDP
         # bitsandbytes' optimizers cannot update FSDP2's sharded (DTensor) parameters (measured: they fail at the
         # first step); torch's AdamW can, and its fp32 state is sharded over the GPUs like everything else
         logger().warning("train_adapter: speed.fsdp: optimizer adamw_torch instead of %s, which cannot update "

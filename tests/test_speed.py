@@ -422,7 +422,8 @@ def test_the_optimizer_defaults_to_fused_adamw_on_a_gpu_and_paged_8bit_elsewhere
     def chosen(fsdp: bool = False, **train: Any) -> str:
         return plan.trainer_settings(TrainArgs(**train), SpeedArgs(fsdp=fsdp))["optim"]
 
-    settings = plan.trainer_settings(TrainArgs(), SpeedArgs())  # this machine has no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings = plan.trainer_settings(TrainArgs(), SpeedArgs())
     assert TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **settings).optim == "paged_adamw_8bit"
     assert chosen(optim="adamw_8bit") == "adamw_8bit"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

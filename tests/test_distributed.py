@@ -82,8 +82,8 @@ def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Pat
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="needs GPUs"):
-        parallel.fsdp_settings(TrainArgs(), SpeedArgs(fsdp=True, num_gpus=2), model)
-    assert parallel.fsdp_settings(TrainArgs(), SpeedArgs(num_gpus=2), model) == {}
+        parallel.fsdp_settings(SpeedArgs(fsdp=True, num_gpus=2), model)
+    assert parallel.fsdp_settings(SpeedArgs(num_gpus=2), model) == {}
 
 
 def _sharded_adapter_rank(rank: int, folder: str, port: int) -> None:

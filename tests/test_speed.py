@@ -433,3 +433,4 @@ def test_the_optimizer_defaults_to_fused_adamw_on_a_gpu_and_paged_8bit_elsewhere
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert chosen() == "adamw_torch_fused"  # DDP
     assert chosen(fsdp=True) == "adamw_torch"
+    assert chosen(fsdp=True, optim="paged_adamw_8bit") == "adamw_torch"  # bitsandbytes cannot update shards

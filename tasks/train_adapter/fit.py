@@ -137,7 +137,7 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
         output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
         fp16=compute == "float16", gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, **host_sync_free(), **{**settings, **fsdp_settings(train, speed, model)},
+        dataloader_num_workers=0, **host_sync_free(), **{**settings, **fsdp_settings(speed, model)},
     )
     if args.world_size == 1 and args.n_gpu > 1:
         # one process on a machine with several GPUs: the Trainer would wrap the 4-bit model in nn.DataParallel

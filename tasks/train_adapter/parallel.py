@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tasks.config import SpeedArgs, TrainArgs
+from tasks.config import SpeedArgs
 from tasks.errors import UserError
-from tasks.log import logger
 
 
 def world_size(speed: SpeedArgs) -> int:
@@ -25,7 +24,7 @@ def several_processes() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def fsdp_settings(train: TrainArgs, speed: SpeedArgs, model: Any) -> dict[str, Any]:
+def fsdp_settings(speed: SpeedArgs, model: Any) -> dict[str, Any]:
     """TrainingArguments keywords for speed.fsdp under torchrun: FSDP2 over the decoder layers (the model's
     _no_split_modules), sharded checkpoints of the trainable weights only. {} when not sharding."""
     if not speed.fsdp or not several_processes():
@@ -48,13 +47,7 @@ def fsdp_settings(train: TrainArgs, speed: SpeedArgs, model: Any) -> dict[str, A
     settings: dict[str, Any] = {"fsdp": True, "fsdp_config": {
         "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
         "state_dict_type": "SHARDED_STATE_DICT"}}
-    if train.optim not in (None, "adamw_torch"):  # None: plan.optimizer picks adamw_torch under FSDP
-        # bitsandbytes' optimizers cannot update FSDP2's sharded (DTensor) parameters (measured: they fail at the
-        # first step); torch's AdamW can, and its fp32 state is sharded over the GPUs like everything else
-        logger().warning("train_adapter: speed.fsdp: optimizer adamw_torch instead of %s, which cannot update "
-                         "sharded parameters", train.optim)
-        settings["optim"] = "adamw_torch"
-    return settings
+    return settings  # the optimizer, adamw_torch under FSDP, is plan.optimizer's choice
 
 
 def save_sharded_adapter(model: Any, folder: Path) -> None:

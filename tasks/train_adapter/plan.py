@@ -75,10 +75,15 @@ def optimizer(train: TrainArgs, speed: SpeedArgs) -> str:
     5.85. Its fp32 moments of the LoRA weights (0.34 GB for 42M) are what the extra memory is."""
     import torch
 
+    if speed.fsdp and several_processes():
+        if train.optim not in (None, "adamw_torch"):
+            # bitsandbytes' optimizers cannot update FSDP2's sharded (DTensor) parameters (measured: they fail at
+            # the first step); torch's AdamW can, and its fp32 state is sharded over the GPUs like everything else
+            logger().warning("train_adapter: speed.fsdp: optimizer adamw_torch instead of %s, which cannot update "
+                             "sharded parameters", train.optim)
+        return "adamw_torch"
     if train.optim is not None:
         return train.optim
-    if speed.fsdp and several_processes():
-        return "adamw_torch"
     return "adamw_torch_fused" if torch.cuda.is_available() else "paged_adamw_8bit"
 
 

@@ -18,10 +18,10 @@ projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close 
   hidden size, kv the key/value width, i the MLP width; 152 KB measured for 8B, 156 predicted); a recomputed layer
   holds its input, 2 h bytes, on the GPU unless offloaded; the backward of a recomputed layer needs about
   2 x (14 h + 3 i) bytes per token at once (197 KB measured at 8k-token packs, 201 predicted; 116 KB per token
-  between 32k and 64k tokens, where the MLP runs in chunks, 115 predicted). Fixed: what is allocated when the plan is made
-  (4-bit weights, LoRA weights), LoRA gradients and AdamW state (16 bytes per trainable parameter), one chunk of the
-  fused loss's fp32 logits (0.92 GiB measured for these two, 0.87 predicted), less the embedding table and output
-  layer when they are offloaded.
+  between 32k and 64k tokens, where the MLP runs in chunks, 115 predicted). Fixed: what is allocated when the plan
+  is made (4-bit weights, LoRA weights), LoRA gradients and AdamW state (16 bytes per trainable parameter), one
+  chunk of the fused loss's fp32 logits (0.92 GiB measured for these two, 0.87 predicted), less the embedding table
+  and output layer when they are offloaded.
 - time per token, relative: (1 + HOST_TOKENS / tokens) x (1 + RECOMPUTE_COST x recomputed / layers), plus small
   costs for each offload. HOST_TOKENS is the per-micro-step work (launches, optimizer step) in tokens' worth of
   compute; RECOMPUTE_COST the share of a step one more forward pass costs.

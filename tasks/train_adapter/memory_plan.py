@@ -134,16 +134,21 @@ class Choices:
 
 def predicted_peak(dims: Dims, fixed: Fixed, tokens: int, recompute: int, offload_activations: bool,
                    offload_embeddings: bool, mlp_chunk: int = 0) -> int:
-    """Peak GPU bytes allocated while training with this plan. Past `mlp_chunk` tokens (speed.mlp_chunk_tokens) the
-    MLP runs in checkpointed chunks: its activations then exist for one chunk at a time."""
+    """Peak GPU bytes allocated while training with this plan: the larger of the end of the forward pass (every
+    saved activation, and the output layer back on the GPU for the loss when it lives on the host) and the start of
+    the backward pass (the same, plus the backward's own working memory). Past `mlp_chunk` tokens
+    (speed.mlp_chunk_tokens) the MLP runs in checkpointed chunks: its activations then exist a chunk at a time."""
     h, i, kv = dims.hidden, dims.intermediate, dims.kv or dims.hidden
     chunked = bool(mlp_chunk) and tokens > mlp_chunk
     mlp_tokens = mlp_chunk if chunked else tokens
     kept_layer = tokens * 2 * (6 * h + 2 * kv) + (tokens * 2 * 2 * h if chunked else tokens * 2 * (2 * h + 3 * i))
-    chunk_recompute = 2 * 3 * i * mlp_tokens if chunked else 0
+    kept = dims.layers - recompute
+    # the top kept layer's backward holds about half a layer's activations more while it runs
+    kept_backward = (kept + 0.5) * kept_layer + (2 * 3 * i * mlp_tokens if chunked else 0) if kept else 0
     working = 2 * (14 * h * tokens + 3 * i * mlp_tokens) if recompute else 0  # the backward of a recomputed layer
     saved = 0 if offload_activations else recompute * tokens * 2 * h
-    activations = saved + max((dims.layers - recompute) * kept_layer + chunk_recompute, working)
+    head_copy = fixed.output_layer_bytes if offload_embeddings else 0  # on the GPU while the fused loss runs
+    activations = saved + max(kept * kept_layer + head_copy, kept_backward, working)
     offloaded = fixed.embedding_bytes + fixed.output_layer_bytes if offload_embeddings else 0
     state = TRAINABLE_BYTES * fixed.trainable_parameters + 4 * LOSS_ROWS * dims.vocab
     return fixed.allocated - offloaded + state + activations

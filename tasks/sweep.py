@@ -243,6 +243,7 @@ def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
     nexts: list[Any] = [None] * len(futures)
     position = {id(f): i for i, f in enumerate(futures)}
     for future in as_completed(futures):
+        future.wait()  # sets the future's own final state; .state would otherwise ask the server, which may lag
         if future.state.is_completed():
             nexts[position[id(future)]] = submit(future)
     return nexts
@@ -270,6 +271,7 @@ def rank(plan: Plan, trained: list[Any], evaluated: list[Any], data_dir: str) ->
 
 
 def _outcome(candidate: Candidate, trained: Any, evaluated: Any) -> Outcome:
+    trained.wait()
     if not trained.state.is_completed():
         return _failed(candidate, "train_adapter", trained.state)
     evaluated.wait()

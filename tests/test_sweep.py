@@ -108,6 +108,30 @@ def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     assert sorted(p.name for p in (first["runs_dir"] / "exports" / "adapter").glob("v*")) == ["v0001"]
 
 
+def test_cli_sweep_prints_the_ranking(first: dict[str, Any], tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`qlora-pipeline sweep --config --grid` (in this process, under the test server): the cached re-run's ranking,
+    as text and as JSON; a bad grid exits 2 with the message before any flow run."""
+    from deployments.cli import USER_ERROR_EXIT, main
+
+    base, grid = tmp_path / "base.yaml", tmp_path / "grid.yaml"
+    base.write_text(yaml.safe_dump(_base(first["runs_dir"], first["data"]).model_dump(mode="json")))
+    grid.write_text(yaml.safe_dump(GRID))
+    assert main(["sweep", "--config", str(base), "--grid", str(grid)]) == 0
+    out = capsys.readouterr().out
+    winner = first["summary"]["winner"]
+    assert f"4 candidate(s), winner {winner}" in out and "winner published as adapter v0001" in out
+    ranked = [line.split()[:2] for line in out.splitlines() if line[:1].isdigit()]
+    assert ranked == [[str(c["rank"]), c["name"]] for c in first["summary"]["candidates"]]
+    assert main(["sweep", "--config", str(base), "--grid", str(grid), "--set", "lora.r=8", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [c["overrides"] for c in printed["candidates"]] == [c["overrides"] for c in first["summary"]["candidates"]]
+    assert printed["key"] != first["summary"]["key"]  # --set changed the base config: another sweep, same stages
+    grid.write_text("lora.rank: [4, 8]\n")
+    assert main(["sweep", "--config", str(base), "--grid", str(grid)]) == USER_ERROR_EXIT
+    assert "lora.rank is not a RunConfig field (did you mean lora.r?)" in " ".join(capsys.readouterr().err.split())
+
+
 def test_a_failed_candidate_fails_alone(first: dict[str, Any]) -> None:
     """A module name the model lacks passes validation and fails in train_adapter; the other candidate (one of
     the grid's, reused) is ranked and published, and the sweep ends Failed naming the failed candidate."""

@@ -6,6 +6,7 @@ from functools import partial
 from typing import Any
 
 from prefect import flow, unmapped
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import sweep
 from tasks.artifacts import failure_summary
@@ -19,17 +20,21 @@ from tasks.run_record import record_run
 from tasks.train_adapter.stage import train_adapter
 
 
-@flow(name="qlora-sweep", on_running=[quiet_user_errors], on_failure=[failure_summary],
-      on_crashed=[failure_summary])
+# One stage task at a time in this process: training and evaluation run in the flow-run process, and two at once
+# share its global state (torch's RNG; the default dtype, which transformers sets process-wide while it loads one).
+# Measured: a candidate trained beside three others got another adapter than the same cache key trained alone
+# (tuned eval loss 5.976 against 5.951). Candidates on several GPUs at once need training in child processes.
+@flow(name="qlora-sweep", task_runner=ThreadPoolTaskRunner(max_workers=1), on_running=[quiet_user_errors],
+      on_failure=[failure_summary], on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
                 grid: dict[str, list[Any]] | None = None, candidates: list[dict[str, Any]] | None = None
                 ) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
     Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are mapped task runs
-    (through the GPU pool), cached by content like any run's, so a re-run reuses every finished candidate. The
-    ranking is the promotion gate's rule; the winner goes through export_adapter and the registry's gate as any
-    run does. Artifacts: sweep-comparison (table and plot), sweep-winner (its config as YAML).
+    (one at a time, through the GPU slot), cached by content like any run's, so a re-run reuses every finished
+    candidate. The ranking is the promotion gate's rule; the winner goes through export_adapter and the
+    registry's gate as any run does. Artifacts: sweep-comparison (table and plot), sweep-winner (its config).
 
     A failed candidate fails alone: its task run is Failed, the others go on, and the best of those that finished
     is ranked and published. The sweep itself then ends Failed, after publishing, with the failed candidates in

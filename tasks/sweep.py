@@ -385,11 +385,17 @@ def _plot(ranking: Ranking) -> bytes:
 
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
     scored = [o for o in ranking.outcomes if o.metrics.get("tuned_eval_loss") is not None]
-    bars.bar([o.candidate.name for o in scored], [o.metrics["tuned_eval_loss"] for o in scored],
-             color=["tab:green" if o is ranking.winner else "tab:blue" for o in scored])
-    if scored:
-        bars.axhline(scored[0].metrics["base_eval_loss"], color="gray", linestyle="--", label="base model")
-        bars.legend()
+    losses = [o.metrics["tuned_eval_loss"] for o in scored]
+    drawn = bars.bar([o.candidate.name for o in scored], losses,
+                     color=["tab:green" if o is ranking.winner else "tab:blue" for o in scored])
+    bars.bar_label(drawn, fmt="%.4f", fontsize="small")
+    finite = [x for x in losses if math.isfinite(x)]
+    if finite:  # candidates differ by a few per cent: bars from 0 would all look the same
+        base = scored[0].metrics["base_eval_loss"]
+        bars.axhline(base, color="gray", linestyle="--", label=f"base model {base:.4f}")
+        spread = max(max(finite), base) - min(finite)
+        bars.set_ylim(min(finite) - 0.5 * spread, max(max(finite), base) + 0.15 * spread)
+        bars.legend(fontsize="small")
     bars.set_ylabel("tuned eval loss")
     bars.set_title("eval loss per candidate (same eval split)")
     for outcome in ranking.outcomes:

@@ -54,6 +54,7 @@ def first(prefect_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {"state": state, "runs_dir": runs_dir, "data": data, "summary": state.result(raise_on_failure=False)}
 
 
+@pytest.mark.slow  # whole sweeps under the test server
 def test_sweep_trains_four_candidates_and_publishes_only_the_best(first: dict[str, Any]) -> None:
     state, summary = first["state"], first["summary"]
     assert state.is_completed(), state.message
@@ -79,6 +80,7 @@ def test_sweep_trains_four_candidates_and_publishes_only_the_best(first: dict[st
     assert load_config(Path(summary["sweep_dir"]) / "winner.yaml").lora.r == winner["overrides"]["lora.r"]
 
 
+@pytest.mark.slow  # whole sweeps under the test server
 def test_sweep_artifacts_compare_every_candidate(first: dict[str, Any]) -> None:
     flow_run_id = first["state"].state_details.flow_run_id
     (comparison,) = _artifacts(flow_run_id, "sweep-comparison")
@@ -93,6 +95,7 @@ def test_sweep_artifacts_compare_every_candidate(first: dict[str, Any]) -> None:
     assert "```yaml" in winner.data and first["summary"]["winner"] in winner.data
 
 
+@pytest.mark.slow  # whole sweeps under the test server
 def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     from flows.qlora_sweep import qlora_sweep
 
@@ -108,6 +111,7 @@ def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     assert sorted(p.name for p in (first["runs_dir"] / "exports" / "adapter").glob("v*")) == ["v0001"]
 
 
+@pytest.mark.slow  # whole sweeps under the test server
 def test_cli_sweep_prints_the_ranking(first: dict[str, Any], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """`qlora-pipeline sweep --config --grid` (in this process, under the test server): the cached re-run's ranking,
@@ -132,6 +136,7 @@ def test_cli_sweep_prints_the_ranking(first: dict[str, Any], tmp_path: Path,
     assert "lora.rank is not a RunConfig field (did you mean lora.r?)" in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.slow  # whole sweeps under the test server
 def test_a_failed_candidate_fails_alone(first: dict[str, Any]) -> None:
     """A module name the model lacks passes validation and fails in train_adapter; the other candidate (one of
     the grid's, reused) is ranked and published, and the sweep ends Failed naming the failed candidate."""
@@ -159,17 +164,13 @@ def test_a_failed_candidate_fails_alone(first: dict[str, Any]) -> None:
     assert any("failed: train_adapter:" in cell for cell in rows[1])
 
 
-def test_bad_grid_lists_every_bad_key_before_any_stage(prefect_env: Path, tmp_path: Path) -> None:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from flows.qlora_sweep import qlora_sweep
-
-    grid = {"lora.rank": [4, 8], "data.max_seq_length": [64], "train.learning_rate": [-1.0, 1e-3],
+BAD_GRID = {"lora.rank": [4, 8], "data.max_seq_length": [64], "train.learning_rate": [-1.0, 1e-3],
             "lora.target_modules": ["all-linear", 3]}
-    base = load_config(None, [f"runs_dir={tmp_path / 'runs'}"])
+
+
+def test_bad_grid_lists_every_bad_key_and_value() -> None:
     with pytest.raises(UserError) as caught:
-        expand(base, grid)
+        expand(load_config(), BAD_GRID)
     message = str(caught.value)
     assert "5 problem(s); no stage ran" in message  # target_modules: two, one per type it may be
     assert "lora.rank is not a RunConfig field (did you mean lora.r?)" in message
@@ -177,8 +178,19 @@ def test_bad_grid_lists_every_bad_key_before_any_stage(prefect_env: Path, tmp_pa
     assert "train.learning_rate: Input should be greater than 0 (got -1.0) (candidates c1, c2, c5, c6)" in message
     assert "lora.target_modules" in message and "(got 3) (candidates c2, c4, c6, c8)" in message
 
-    state = qlora_sweep(config=base, grid=grid, return_state=True)
-    assert state.is_failed() and state.message.endswith(message)
+
+@pytest.mark.slow
+def test_bad_grid_fails_the_flow_before_any_stage(prefect_env: Path, tmp_path: Path) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.qlora_sweep import qlora_sweep
+
+    base = load_config(None, [f"runs_dir={tmp_path / 'runs'}"])
+    with pytest.raises(UserError) as caught:
+        expand(base, BAD_GRID)
+    state = qlora_sweep(config=base, grid=BAD_GRID, return_state=True)
+    assert state.is_failed() and state.message.endswith(str(caught.value))
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))

@@ -253,13 +253,7 @@ def rank(plan: Plan, trained: list[Any], evaluated: list[Any], data_dir: str) ->
     """Wait for every candidate, rank them, write the comparison (artifact and files); fail if none finished."""
     outcomes = [_outcome(c, t, e) for c, t, e in zip(plan.candidates, trained, evaluated, strict=True)]
     eval_data = read_manifest(Path(data_dir)).key
-    done = sorted((o for o in outcomes if o.status == "finished"),
-                  key=functools.cmp_to_key(lambda a, b: _compare(a.metrics, b.metrics, eval_data)))
-    for number, outcome in enumerate(done, start=1):
-        outcome.rank = number
-    order = {"finished": 0, "unranked": 1, "failed": 2}
-    ranking = Ranking(plan, done + sorted((o for o in outcomes if o.status != "finished"),
-                                          key=lambda o: order[o.status]), eval_data)
+    ranking = Ranking(plan, order(outcomes, eval_data), eval_data)
     comparison(ranking)
     _write(plan.dir / "sweep.json", json.dumps(record(ranking), indent=2))
     if ranking.winner is None:
@@ -268,6 +262,22 @@ def rank(plan: Plan, trained: list[Any], evaluated: list[Any], data_dir: str) ->
     logger().info("sweep %s: winner %s (%s) of %d candidate(s)", plan.key, ranking.winner.candidate.name,
                   ranking.winner.candidate.label, len(outcomes))
     return ranking
+
+
+def order(outcomes: list[Outcome], eval_data: str) -> list[Outcome]:
+    """Best first by the gate's rule (ties keep candidate order), numbered; then the unranked, then the failed.
+
+    A finished candidate that does not beat even the worst possible one (a NaN loss) becomes unranked.
+    """
+    for outcome in outcomes:
+        if outcome.status == "finished" and not _beats(outcome.metrics, _WORST, eval_data):
+            outcome.status, outcome.error = "unranked", "its eval metric is not a number (training diverged?)"
+    done = sorted((o for o in outcomes if o.status == "finished"),
+                  key=functools.cmp_to_key(lambda a, b: _compare(a.metrics, b.metrics, eval_data)))
+    for number, outcome in enumerate(done, start=1):
+        outcome.rank = number
+    rest = {"unranked": 1, "failed": 2}
+    return done + sorted((o for o in outcomes if o.status != "finished"), key=lambda o: rest[o.status])
 
 
 def _outcome(candidate: Candidate, trained: Any, evaluated: Any) -> Outcome:
@@ -279,9 +289,7 @@ def _outcome(candidate: Candidate, trained: Any, evaluated: Any) -> Outcome:
         return _failed(candidate, "evaluate_adapter", evaluated.state, adapter_dir=trained.result())
     eval_dir = evaluated.result()
     metrics = read_manifest(Path(eval_dir)).metrics.model_dump()
-    status = "finished" if _beats(metrics, _WORST, "") else "unranked"
-    return Outcome(candidate, status, adapter_dir=trained.result(), eval_dir=eval_dir, metrics=metrics,
-                   error=None if status == "finished" else "its eval metric is not a number (training diverged?)")
+    return Outcome(candidate, "finished", adapter_dir=trained.result(), eval_dir=eval_dir, metrics=metrics)
 
 
 def _failed(candidate: Candidate, stage: str, state: Any, **dirs: Any) -> Outcome:

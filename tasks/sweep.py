@@ -154,7 +154,8 @@ def expand(base: RunConfig, grid: dict[str, Any] | None = None, candidates: list
 
 def _overrides(grid: Any, candidates: Any, problems: list[str]) -> list[dict[str, Any]]:
     """The list of override mappings the grid or candidate list stands for; shape problems go to `problems`."""
-    if (grid is None) == (candidates is None) or (grid == {} and candidates is None) or candidates == []:
+    grid, candidates = grid or None, candidates or None  # an empty one (a UI form's default) is none
+    if (grid is None) == (candidates is None):
         problems.append("give either a grid (a mapping of SECTION.FIELD keys to lists of values) or a list of "
                         "candidates (each a mapping of SECTION.FIELD keys to values), not both and not neither")
         return []

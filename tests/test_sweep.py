@@ -235,5 +235,8 @@ def test_grid_file_and_candidate_list_shapes(tmp_path: Path) -> None:
     assert listed.key != plan.key and listed.dir.parent.name == "sweeps"
     with pytest.raises(UserError, match="not str"):
         load_grid(bad_file)
+    assert expand(load_config(), {}, [{"lora.r": 4}]).candidates[0].config.lora.r == 4  # an empty grid is none
+    with pytest.raises(UserError, match="not both and not neither"):
+        expand(load_config(), None, [])
     with pytest.raises(UserError, match="the same config as c1"):
         expand(load_config(), None, [{"lora.r": 4}, {"lora.r": 4}])

@@ -2,6 +2,7 @@
 
     qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
+    qlora-pipeline sweep --grid GRID.yaml [--config FILE.yaml] [--preset NAME] [--set ...] [--json]
     qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
     qlora-pipeline presets
     qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="override one field; repeatable (values are parsed as YAML)")
         if name == "run":
             cmd.add_argument("--json", action="store_true", help="print the run summary as JSON, last line")
+    _sweep_parser(sub)
     sub.add_parser("presets", help="list the presets")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
@@ -60,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default="0 2 * * *", help="schedule (cron syntax); '' for none")
     serve.add_argument("--timezone", default="Europe/Berlin", help="time zone of the schedule")
     return parser
+
+
+def _sweep_parser(sub: Any) -> None:
+    sweep = sub.add_parser("sweep", help="train and evaluate a grid of candidates, publish the best (README: Sweeps)")
+    sweep.add_argument("--grid", type=Path, required=True, help="YAML: SECTION.FIELD keys to lists of values (every "
+                       "combination is a candidate), or a list of overrides, one mapping per candidate")
+    sweep.add_argument("--config", type=Path, help="the base config, a YAML file mirroring RunConfig")
+    sweep.add_argument("--preset", help="a preset from data/presets as the base config")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override one field of the base config; repeatable")
+    sweep.add_argument("--json", action="store_true", help="print the sweep summary as JSON, last line")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(config, args.cron, args.timezone)
     if args.command == "start":
         return _start_deployment(args.deployment, config, args.watch)
+    if args.command == "sweep":
+        return _sweep(config, args.grid, args.json)
     return _run(config, as_json=args.json)
 
 
@@ -206,6 +221,76 @@ def _start(flow: Any, config: Any) -> Any:
             raise
         print("Prefect's temporary API server did not start in time; trying once more", file=sys.stderr)
         return flow(config=config)
+
+
+def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
+    """Run the qlora-sweep flow here; print the ranking, also when a candidate failed (then exit non-zero)."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    from deployments.setup import ensure_gpu_limit
+    from flows.qlora_sweep import qlora_sweep
+    from tasks import sweep
+    from tasks.errors import UserError
+    from tasks.limits import uses_server
+    from tasks.log import quiet_user_errors
+    from tasks.manifest import check_runs_dir
+
+    quiet_user_errors()
+    try:
+        if not grid_file.is_file():
+            raise UserError(f"grid file {grid_file} does not exist")
+        grid, candidates = sweep.load_grid(grid_file)
+        plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
+        check_runs_dir(config.runs_dir)
+    except UserError as exc:
+        return _user_error(str(exc))
+    if uses_server():
+        ensure_gpu_limit()
+    try:
+        state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
+    except RuntimeError as exc:
+        if _SERVER_TIMEOUT not in str(exc):
+            raise
+        return _user_error(f"Prefect's temporary API server did not start in time ({exc}); start one server "
+                           "(prefect server start) and point runs at it with PREFECT_API_URL")
+    summary = state.result(raise_on_failure=False) if state.is_completed() else _sweep_record(plan.dir, state)
+    if summary is not None and as_json:
+        print(json.dumps(summary))
+    elif summary is not None:
+        _print_sweep(summary)
+    if state.is_completed():
+        return 0
+    error = state.result(raise_on_failure=False)
+    if isinstance(error, UserError):
+        return _user_error(str(error))
+    print(f"\nerror: {state.message}", file=sys.stderr)
+    return 1
+
+
+def _sweep_record(folder: Path, state: Any) -> dict[str, Any] | None:
+    """sweep.json when this flow run wrote it (it failed after ranking), else None."""
+    try:
+        record = json.loads((folder / "sweep.json").read_text())
+    except FileNotFoundError:
+        return None
+    return record if str(record.get("flow_run") or "").startswith(str(state.state_details.flow_run_id)) else None
+
+
+def _print_sweep(summary: dict[str, Any]) -> None:
+    print(f"\nsweep {summary['key']}: {len(summary['candidates'])} candidate(s), winner {summary['winner'] or 'none'}")
+    print(f"{'rank':5} {'candidate':10} {'status':9} {'tuned eval loss':16} overrides")
+    for c in summary["candidates"]:
+        loss = c["metrics"].get("tuned_eval_loss")
+        print(f"{c['rank'] or '-'!s:5} {c['name']:10} {c['status']:9} {'n/a' if loss is None else f'{loss:.4f}':16} "
+              + ", ".join(f"{k}={json.dumps(v)}" for k, v in c["overrides"].items()))
+        if c["error"]:
+            print(textwrap.indent(textwrap.fill(c["error"], width=94), "      "))
+    if "export" in summary:
+        e = summary["export"]
+        print(f"\nwinner published as {e['export_name']} {e['export_version']} ({e['promotion']}: "
+              f"{e['promotion_reason']})\nchampion now: {e['champion_version'] or 'none'}; this version: "
+              f"{e['export_path']}")
+        print(f"winner config: {summary['sweep_dir']}/winner.yaml")
+    print(f"comparison: {summary['sweep_dir']}/comparison.png and sweep.json")
 
 
 def _user_error(message: str) -> int:

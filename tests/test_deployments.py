@@ -170,6 +170,22 @@ def test_deployments_match_the_presets() -> None:
     assert nightly["cron"] == "0 2 * * *" and nightly["timezone"] == "Europe/Berlin"
 
 
+def test_sweep_deployment_is_a_small_grid_the_flow_accepts() -> None:
+    """The sweep deployment has no preset: its parameters must pass the qlora-sweep flow's signature and expand to
+    the 2 x 2 grid on the embedded model."""
+    from flows.qlora_sweep import qlora_sweep
+    from tasks.sweep import expand
+
+    spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
+    (sweep,) = [d for d in spec["deployments"] if d["name"] == "sweep"]
+    assert sweep["entrypoint"] == "flows/qlora_sweep.py:qlora_sweep"
+    params = qlora_sweep.validate_parameters(sweep["parameters"])
+    plan = expand(params["config"], params["grid"], params.get("candidates"))
+    assert [c.label for c in plan.candidates] == [f"lora.r={r}, train.learning_rate={lr}" for r in (4, 8)
+                                                  for lr in (0.001, 0.003)]
+    assert params["config"].model.base_model == RunConfig().model.base_model  # the embedded model
+
+
 def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path: Path) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
@@ -222,6 +238,28 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     message = next(m for m in server["hook"] if failed.name in m.get("subject", ""))
     assert str(failed.id) in message["body"]  # the run's id and its page in the UI
     assert f"http://127.0.0.1:{server['port']}/runs/flow-run/{failed.id}" in message["body"], message
+
+
+def test_sweep_deployment_runs_on_the_worker(server: dict[str, Any], tmp_path: Path) -> None:
+    """The sweep deployment started like the UI's Run, with a smaller config and a 2-candidate grid: both
+    candidates trained on the worker, the winner published, the comparison artifact on the flow run."""
+    from prefect import get_client
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    config = {**_config(tmp_path / "runs", data), "eval": {"max_samples": 8, "generation_samples": 2},
+              "export": {"name": "adapter-sweep"}}
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("qlora-sweep/sweep")
+        run_id = client.create_flow_run_from_deployment(dep.id, parameters={
+            "config": config, "grid": {"train.learning_rate": [1e-3, 3e-3]}}).id
+    run = _wait(run_id)
+    assert run.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
+    states = settled_task_states(run_id)
+    assert states["train_adapter"] == ["Completed"] * 2 and states["export_adapter"] == ["Completed"]
+    (comparison,) = _artifacts(run_id, "sweep-comparison")
+    assert comparison.data.count("| finished |") == 2
+    assert [p.name for p in (tmp_path / "runs" / "exports" / "adapter-sweep").glob("v*")] == ["v0001"]
 
 
 def test_the_ui_calls_the_api_of_its_own_port(server: dict[str, Any]) -> None:

@@ -39,7 +39,8 @@ def prepare(source: Path, runs: Path, **data: Any) -> tuple[Path, dict[str, Any]
 def parts(runs: Path) -> dict[str, int]:
     """Part folder name -> mtime of its rows (a part rewritten would show a new one)."""
     root = runs / "prepare_data" / "parts"
-    return {p.name: (p / "rows.parquet").stat().st_mtime_ns for p in root.iterdir()} if root.is_dir() else {}
+    return {p.name: (p / "rows.parquet").stat().st_mtime_ns for p in root.iterdir() if p.is_dir()} \
+        if root.is_dir() else {}
 
 
 def same_output(a: Path, b: Path) -> None:
@@ -93,6 +94,20 @@ def test_a_changed_byte_in_one_shard_recomputes_exactly_that_part(tmp_path: Path
     same_output(changed, prepare(folder, tmp_path / "fresh-runs")[0])
 
 
+def test_a_damaged_part_is_tokenized_again(tmp_path: Path) -> None:
+    folder = shards(tmp_path / "shards", (0, 50), (50, 100))
+    runs = tmp_path / "runs"
+    prepare(folder, runs)
+    damaged = runs / "prepare_data" / "parts" / sorted(parts(runs))[0] / "rows.parquet"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    damaged.write_bytes(bytes(data))
+    shards(folder, (0, 50), (50, 100), (100, 150))
+    grown, metrics = prepare(folder, runs)
+    assert (metrics["parts_tokenized"], metrics["parts_reused"]) == (2, 1)
+    same_output(grown, prepare(folder, tmp_path / "fresh-runs")[0])
+
+
 def test_bad_rows_of_every_shard_are_reported_and_their_parts_never_kept(tmp_path: Path) -> None:
     folder = shards(tmp_path / "shards", (0, 40), (40, 80), (80, 120))
     for name, line in (("shard-000.jsonl", 3), ("shard-002.jsonl", 5)):
@@ -132,6 +147,23 @@ def test_eval_source_is_all_of_eval_and_source_is_all_of_train(tmp_path: Path, s
     assert (one / "train.parquet").read_bytes() == (two / "train.parquet").read_bytes()
     keys = [train_spec(LoraArgs(), TrainArgs(), SpeedArgs(), runs, str(d), stages["model"]).key for d in (one, two)]
     assert keys[0] == keys[1]  # train_adapter follows train.parquet's bytes: reused
+
+
+def test_eval_source_of_preference_pairs(tmp_path: Path) -> None:
+    from tasks.config import EMBEDDED_PREFERENCES
+
+    pairs = EMBEDDED_PREFERENCES.read_text().splitlines(keepends=True)
+    source, golden = tmp_path / "pairs.jsonl", tmp_path / "golden.jsonl"
+    source.write_text("".join(pairs[:60]))
+    golden.write_text("".join(pairs[60:80]))
+    _, metrics = prepare(source, tmp_path / "runs", eval_source=str(golden))
+    assert metrics["format"] == "preference" and metrics["rows_in"] == 80
+    kept = 80 - metrics["dropped_prompt_too_long"]
+    assert metrics["train_examples"] + metrics["eval_examples"] == kept and 0 < metrics["eval_examples"] <= 20
+    assert metrics["train_examples"] >= 60 - metrics["dropped_prompt_too_long"]
+    with pytest.raises(UserError, match=r"data\.eval_source='[^']*' is in the dolly format and data\.source in "
+                                        r"the preference format"):
+        prepare(source, tmp_path / "runs", eval_source=str(EMBEDDED_DATA))
 
 
 def test_eval_source_bad_inputs_say_which_field(tmp_path: Path) -> None:
@@ -185,7 +217,8 @@ def test_a_new_eval_file_through_the_cli_recomputes_evaluation_and_export_only(s
     golden = tmp_path / "golden.jsonl"
     golden.write_text("".join(LINES[1000:1020]))
     overrides = small_overrides(small_data, tmp_path / "runs", **{
-        "data.eval_source": str(golden), "eval.generation_samples": 2, "eval.max_samples": "null"})
+        "data.eval_source": str(golden), "train.max_steps": 2, "eval.generation_samples": 0,
+        "eval.max_samples": "null"})
     args = ["run", "--json", *sum((["--set", o] for o in overrides), [])]
     env = cli_env(tmp_path / "prefect")
     summaries = []

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, StageSpec, open_stage
+from tasks.manifest import PREFERENCE_FORMATS, StageSpec, hash_json, open_stage
 from tasks.prepare_data import parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
@@ -73,13 +74,13 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
             logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
             stage.finish(OUTPUTS, metrics)
             return str(stage.dir)
-        settings = _settings(args, model, fmt)
+        keyed = {k: v for k, v in stage.spec.fingerprint.items() if k.startswith("tokenizer_")}
+        parts_dir = stage.spec.runs_dir / "prepare_data" / "parts"
+        settings = _settings(args, model, fmt, parts_dir / f"tokenizer-{_tokenizer_key(keyed)}.json")
         logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
                       "completion-only" if settings.completion_only else "full-text", settings.max_len)
         eval_settings = settings if eval_src is None or eval_src.fmt == fmt else _settings(args, model, eval_src.fmt)
         report = _Report(args.max_seq_length)
-        keyed = {k: v for k, v in stage.spec.fingerprint.items() if k.startswith("tokenizer_")}
-        parts_dir = stage.spec.runs_dir / "prepare_data" / "parts"
         trains = train_src.tokenized(settings, report, keyed, parts_dir)
         evals_in = eval_src.tokenized(eval_settings, report, keyed, parts_dir) if eval_src else None
         _raise_problems(train_src, eval_src)  # bad rows of files tokenized into parts, before writing
@@ -186,7 +187,12 @@ def _check_snapshot(args: DataArgs, keyed: str, field: str = "data.source") -> N
                         "data is no longer being written.")
 
 
-def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
+def _tokenizer_key(keyed: dict[str, str]) -> str:
+    # what transformers makes of the tokenizer's files may change with its version
+    return hash_json([keyed, metadata.version("transformers")])[:16]
+
+
+def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = None) -> Settings:
     tokenizer_dir = model_path(model.base_model, model.revision, weights=False)  # the tokenizer is enough
     positions = max_positions(tokenizer_dir)
     if positions is not None and args.max_seq_length > positions:
@@ -200,7 +206,7 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
                         "(README: Data formats).")
     completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
     settings = make_settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only,
-                             args.max_seq_length, template)
+                             args.max_seq_length, template, saved)
     if settings.fold_system:
         logger().info("prepare_data: the chat template has no system role: each system message goes before the next "
                       "user message, separated by a blank line (README: Data formats)")

@@ -51,10 +51,13 @@ def same_output(a: Path, b: Path) -> None:
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several chunks per shard, so packing and row groups per chunk are exercised."""
+    """Several chunks per shard, so packing and row groups per chunk are exercised; all tokenized in this process
+    (starting pool workers costs seconds; test_prepare_data checks that the pool gives the same output)."""
     import tasks.prepare_data.sources
+    import tasks.prepare_data.tokenization
 
     monkeypatch.setattr(tasks.prepare_data.sources, "CHUNK_ROWS", 32)
+    monkeypatch.setattr(tasks.prepare_data.tokenization, "POOL_AFTER_CHUNKS", 10**6)
 
 
 @pytest.mark.parametrize("pack_examples", [False, True])
@@ -192,8 +195,8 @@ def test_keys_hold_no_checkout_path(tmp_path: Path) -> None:
     data outside the checkout given by two different absolute paths to the same bytes."""
     code = ("import sys; from pathlib import Path; from tasks.config import DataArgs, ModelArgs; "
             "import tasks.prepare_data.stage as d, tasks.prepare_model.stage as m; "
-            "print(d.spec(DataArgs(**({'source': sys.argv[1]} if sys.argv[1] else {})), ModelArgs(), Path('runs')).key,"
-            " m.spec(ModelArgs(), Path('runs')).key)")
+            "print(*(d.spec(DataArgs(**({'source': s} if s else {})), ModelArgs(), Path('runs')).key for s in "
+            "sys.argv[1:]), m.spec(ModelArgs(), Path('runs')).key)")
     keys = []
     for name in ("clone-a", "deep/clone-b"):
         clone = tmp_path / name
@@ -202,13 +205,13 @@ def test_keys_hold_no_checkout_path(tmp_path: Path) -> None:
         (clone / "outside").mkdir()
         shutil.copy(EMBEDDED_DATA, clone / "outside" / "mine.jsonl")
         env = {**os.environ, "PYTHONPATH": str(clone)}
-        for source in ("", str(clone / "outside" / "mine.jsonl")):
-            done = subprocess.run([sys.executable, "-c", code, source], cwd=clone, env=env, capture_output=True,
-                                  text=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-2000:]
-            keys.append(done.stdout.split())
-    assert keys[0] == keys[2] and keys[1] == keys[3], keys
-    assert keys[0] == keys[1]  # the default data and a copy of it elsewhere: same bytes, same key
+        done = subprocess.run([sys.executable, "-c", code, "", str(clone / "outside" / "mine.jsonl")], cwd=clone,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keys.append(done.stdout.split())
+    # per clone: the default data's prepare_data key, the copy's elsewhere, prepare_model's
+    assert keys[0] == keys[1], keys
+    assert keys[0][0] == keys[0][1]  # the default data and a copy of it elsewhere: same bytes, same key
 
 
 @pytest.mark.slow

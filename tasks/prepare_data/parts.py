@@ -128,9 +128,9 @@ def chunks_of(folder: Path) -> Iterator[Tokenized]:
     for group in range(file.num_row_groups):
         table = file.read_row_group(group)
         ids, labels = table.column("input_ids").combine_chunks(), table.column("labels").combine_chunks()
-        empty = np.zeros(0, np.int64)
-        yield Tokenized(ids.values.to_numpy(), labels.values.to_numpy(), np.diff(ids.offsets.to_numpy()),
-                        table.column("hash").to_numpy(), empty)
+        lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+        yield Tokenized(ids.flatten().to_numpy(), labels.flatten().to_numpy(), lengths,
+                        table.column("hash").to_numpy(), np.zeros(0, np.int64))
 
 
 class _PartWriter:

@@ -6,8 +6,10 @@ tokenizer. Streams the rows in chunks through tokenizer workers on all cores and
 runs_dir/prepare_data/<key>/, train.parquet and eval.parquet one row group per chunk (columns
 input_ids and labels, int32 lists; prompt tokens are -100 in labels when training on completions
 only; with data.pack_examples, train.parquet rows are packs with position_ids and seq_lengths too)
-and manifest.json with the row counts by reason and token-length statistics. Bad data fails with one
-UserError listing every problem, before any GPU work and without a manifest.
+and manifest.json with the row counts by reason and token-length statistics. A source of several files is
+tokenized file by file into content-keyed parts (tasks/prepare_data/parts.py) that later runs reuse, and the
+two files are assembled from them. With data.eval_source, eval.parquet is all of it and train.parquet all of
+data.source. Bad data fails with one UserError listing every problem, before any GPU work and without a manifest.
 """
 
 from __future__ import annotations

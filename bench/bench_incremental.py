@@ -7,7 +7,9 @@ JSON-lines files, then, each in a fresh process (as a nightly run is: no hash me
 prepare_data through .fn():
   full          all shards into an empty runs_dir (every file tokenized into its part);
   incremental   one more shard of the same size added, same runs_dir (that shard tokenized, the others reused);
-  fresh full    the grown folder into another empty runs_dir: what a night without parts would cost.
+  fresh full    the grown folder into another empty runs_dir: what a night without parts would cost;
+  one file      (--one-file) the grown folder's rows as one file, prepared in one pass without parts: what
+                the parts cost a full preparation (their write and read back).
 Prints the three side by side, the incremental run's share of the fresh full one (the issue's target: 10% at
 most), whether its train.parquet and eval.parquet equal the fresh full preparation's row for row and byte for
 byte, and writes the figures to bench/results/<date>-incremental-<host>.json. Not a test: times depend on the
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=100)
     parser.add_argument("--tokenizer", default=str(EMBEDDED_MODEL), help="a local model folder with a tokenizer")
     parser.add_argument("--max-seq-length", type=int, default=256)
+    parser.add_argument("--one-file", action="store_true", help="also time the rows as one file, without parts")
     parser.add_argument("--child", nargs=2, metavar=("SOURCE", "RUNS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -101,10 +104,18 @@ def main() -> None:
         write_shards(folder, args.shards, 1, per_shard)
         incremental = prepare(folder, Path(tmp) / "runs", args)
         fresh = prepare(folder, Path(tmp) / "fresh-runs", args)
-        for label, run in (("full", full), ("incremental (+1 shard)", incremental), ("fresh full", fresh)):
+        runs = [("full", "full", full), ("incremental", "incremental (+1 shard)", incremental),
+                ("fresh_full", "fresh full", fresh)]
+        if args.one_file:
+            whole = Path(tmp) / "one.jsonl"
+            with whole.open("wb") as out:
+                for shard in sorted(folder.iterdir()):
+                    out.write(shard.read_bytes())
+            runs.append(("one_file", "one file, no parts", prepare(whole, Path(tmp) / "one-runs", args)))
+        for _, label, run in runs:
             m = run["metrics"]
             print(f"{label:<24}{run['seconds']:9.2f} s  {m['rows_in']:>11,} rows  {m['tokens']:>13,} tokens  "
-                  f"files tokenized/reused {m['parts_tokenized']}/{m['parts_reused']}")
+                  f"files tokenized/reused {m.get('parts_tokenized', '-')}/{m.get('parts_reused', '-')}")
         share = incremental["seconds"] / fresh["seconds"]
         equal = same(incremental["dir"], fresh["dir"])
         print(f"incremental / fresh full: {share:.1%} (target: 10% at most)")
@@ -114,8 +125,7 @@ def main() -> None:
         record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
                   "cores": cores, "rows": args.rows, "shards": args.shards, "rows_per_shard": per_shard,
                   "source_mib": round(size / 2**20, 1), "max_seq_length": args.max_seq_length,
-                  "seconds": {"full": full["seconds"], "incremental": incremental["seconds"],
-                              "fresh_full": fresh["seconds"]},
+                  "seconds": {key: run["seconds"] for key, _, run in runs},
                   "incremental_share_of_fresh_full": round(share, 4), "equal_to_fresh_full": equal,
                   "metrics": {"full": full["metrics"], "incremental": incremental["metrics"]}}
     RESULTS.mkdir(exist_ok=True)

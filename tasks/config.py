@@ -93,6 +93,12 @@ class DataArgs(_Section):
         description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
         "(s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
     )
+    eval_source: InCheckout | None = Field(
+        None, description="A fixed evaluation set, in the forms data.source takes (read with the same settings): "
+        "when set, every example of it is evaluated and every example of data.source is trained on (no "
+        "eval_fraction split). Its content is in the keys of prepare_data, evaluate_adapter and export_adapter, "
+        "not train_adapter's (README: Nightly retraining).",
+    )
     name: str | None = Field(None, description="Hub dataset config name (e.g. wikitext-2-raw-v1).")
     split: str = Field("train", description="Hub split, with slicing: 'train', 'train[:1000]'.")
     revision: str | None = Field(None, description="Hub dataset revision; None = the default branch.")

@@ -80,6 +80,9 @@ class DataMetrics(_Metrics):
     tokens: int
     train_label_tokens: int
     padding_waste: float
+    # a source of several files is tokenized per file into parts reused by content (None: one file or the hub)
+    parts_tokenized: int | None = None
+    parts_reused: int | None = None
 
 
 class ModelMetrics(_Metrics):
@@ -333,6 +336,9 @@ class StageSpec:
     params: dict[str, Any]
     upstream: dict[str, Path] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
+    # dotted names of params that say where an input lies ("data.source"): recorded in the manifest, left out of
+    # the key, whose fingerprint holds the input's content (two checkouts or mounts of the same data, one key)
+    located: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # absolute, so a folder path stored in Prefect's result cache is valid from any working directory
@@ -341,11 +347,25 @@ class StageSpec:
     @property
     def key(self) -> str:
         upstream = {name: upstream_key(folder) for name, folder in self.upstream.items()}
-        return hash_json([self.stage, self.version, self.params, upstream, self.fingerprint])[:16]
+        return hash_json([self.stage, self.version, _without(self.params, self.located), upstream,
+                          self.fingerprint])[:16]
 
     @property
     def dir(self) -> Path:
         return Path(self.runs_dir) / self.stage / self.key
+
+
+def _without(params: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of params less the entries named section.field."""
+    kept = json.loads(json.dumps(params, default=str))
+    for name in dotted:
+        section, _, leaf = name.rpartition(".")
+        node = kept
+        for part in filter(None, section.split(".")):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return kept
 
 
 @dataclass

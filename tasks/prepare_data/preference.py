@@ -13,6 +13,7 @@ prompt, a missing answer, chosen == rejected, a label that is not true/false) ar
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,9 @@ _LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0
 
 
 def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], problems: Problems, folder: Path,
-          version: str) -> dict[str, Any]:
-    """Validate, tokenize and split the rows into folder/train.parquet and eval.parquet; returns DataMetrics."""
+          version: str, eval_chunks: Iterator[RawChunk] | None = None) -> dict[str, Any]:
+    """Validate, tokenize and split the rows into folder/train.parquet and eval.parquet; returns DataMetrics.
+    With eval_chunks (data.eval_source), every row of `chunks` trains and every row of eval_chunks evaluates."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -48,7 +50,9 @@ def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], 
     render = _renderer(tokenizer, args.chat_template)
     with pq.ParquetWriter(folder / "train.parquet", schema) as train, \
             pq.ParquetWriter(folder / "eval.parquet", schema) as evals:
-        for chunk in chunks:
+        forced = None if eval_chunks is None else "train"  # None: split by content hash
+        tagged = itertools.chain(((c, forced) for c in chunks), ((c, "eval") for c in eval_chunks or ()))
+        for chunk, split_of_all in tagged:
             rows: dict[str, list[Any]] = {"train": [], "eval": []}
             for where, record in decode(chunk, args.column_mapping, problems):
                 stats["rows_in"] += 1
@@ -60,7 +64,7 @@ def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], 
                 row = _tokenize(tokenizer, texts, answers, conversational, args.max_seq_length, stats, lengths)
                 if row is None:
                     continue
-                split = "eval" if _hash(texts) < cut else "train"
+                split = split_of_all or ("eval" if _hash(texts) < cut else "train")
                 rows[split].append(row)
                 answer_tokens = sum(len(row[f"{a}_ids"]) for a in answers)
                 counts[split][0] += 1

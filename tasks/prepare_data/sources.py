@@ -64,9 +64,14 @@ class Problems:
             kept += locations[: 10 - len(kept)]
         self.counts.update(other.counts)
 
-    def raise_if_any(self, source: str) -> None:
+    def raise_if_any(self, source: str, field: str = "data.source") -> None:
+        if self.counts:
+            raise UserError(self.message(source, field))
+
+    def message(self, source: str, field: str = "data.source") -> str:
+        """One paragraph on every problem, or "" when there is none."""
         if not self.counts:
-            return
+            return ""
         parts = []
         for problem, n in self.counts.items():
             by_file: dict[str, list[str]] = {}
@@ -74,7 +79,7 @@ class Problems:
                 by_file.setdefault(file, []).append(location)
             shown = "; ".join(f"{file} {', '.join(locs)}" for file, locs in by_file.items())
             parts.append(f"{n} row(s) {problem}: {shown}{' ...' if n > 10 else ''}.")
-        raise UserError(f"data.source={source!r} has bad rows, so nothing was written. " + " ".join(parts))
+        return f"{field}={source!r} has bad rows, so nothing was written. " + " ".join(parts)
 
 
 def is_hub(source: str) -> bool:
@@ -82,7 +87,7 @@ def is_hub(source: str) -> bool:
     return not ("://" in source or is_local(source) or source.endswith(SUFFIXES) or glob.has_magic(source))
 
 
-def data_files(source: str) -> tuple[Any, list[str]]:
+def data_files(source: str, field: str = "data.source") -> tuple[Any, list[str]]:
     """The fsspec filesystem and the sorted data files a local or URL source names (a file, folder or glob)."""
     import fsspec
     from fsspec.registry import known_implementations
@@ -95,11 +100,11 @@ def data_files(source: str) -> tuple[Any, list[str]]:
         # the module that failed to import (aiohttp for https://), else the implementation's own package
         package = (getattr(exc.__cause__, "name", None) or exc.name
                    or known_implementations.get(protocol, {}).get("class", "").split(".")[0])
-        raise UserError(f"data.source={source!r}: reading {protocol}:// needs the {package or protocol} package, "
+        raise UserError(f"{field}={source!r}: reading {protocol}:// needs the {package or protocol} package, "
                         f"which is not installed. Install it (pip install {package}) or copy the data to a "
                         "local file.") from exc
     except ValueError as exc:
-        raise UserError(f"data.source={source!r}: {exc}. Give a local path, a URL whose protocol fsspec "
+        raise UserError(f"{field}={source!r}: {exc}. Give a local path, a URL whose protocol fsspec "
                         "knows (s3://, gs://, ...) or a hub dataset id.") from exc
     if glob.has_magic(path):
         paths = [p for p in fs.glob(path) if fs.isfile(p)]
@@ -107,15 +112,15 @@ def data_files(source: str) -> tuple[Any, list[str]]:
         paths = fs.find(path)
     elif fs.isfile(path):
         if not path.endswith(SUFFIXES):
-            raise UserError(f"data.source={source!r}: unsupported file type {Path(path).suffix!r}; "
+            raise UserError(f"{field}={source!r}: unsupported file type {Path(path).suffix!r}; "
                             f"use one of {', '.join(SUFFIXES)}.")
         paths = [path]
     else:
-        raise UserError(f"data.source={source!r}: no such file. Give a {'/'.join(SUFFIXES)} file, a folder or "
+        raise UserError(f"{field}={source!r}: no such file. Give a {'/'.join(SUFFIXES)} file, a folder or "
                         "glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
     paths = sorted(p for p in paths if p.endswith(SUFFIXES))
     if not paths:
-        raise UserError(f"data.source={source!r} matched no {'/'.join(SUFFIXES)} files.")
+        raise UserError(f"{field}={source!r} matched no {'/'.join(SUFFIXES)} files.")
     return fs, paths
 
 
@@ -123,7 +128,7 @@ def _is_local_fs(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def check_allowed(args: DataArgs, paths: list[str] | None = None) -> None:
+def check_allowed(args: DataArgs, paths: list[str] | None = None, field: str = "data.source") -> None:
     """With data.allowed_roots set, the source and every file read must lie inside one of them (links resolved).
 
     Called before the source is looked at (nothing is said about files outside) and again on the files found.
@@ -141,23 +146,28 @@ def check_allowed(args: DataArgs, paths: list[str] | None = None) -> None:
         outside = [p for p in paths or [] if not any(Path(p).expanduser().resolve().is_relative_to(f)
                                                      for f in folders)]
     if outside:
-        raise UserError(f"data.source={args.source!r} reads {', '.join(outside[:5])}"
+        raise UserError(f"{field}={args.source!r} reads {', '.join(outside[:5])}"
                         f"{' ...' if len(outside) > 5 else ''}, outside data.allowed_roots ({', '.join(roots)}). "
                         "Put the data in one of those folders, or ask whoever runs the deployment to allow its place.")
 
 
-def fingerprint(args: DataArgs) -> str:
+def fingerprint(args: DataArgs, field: str = "data.source") -> str:
     """Content identity of the data: the bytes of every file read, or the resolved hub commit."""
     if is_hub(args.source):
         return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
-    check_allowed(args)
-    fs, paths = data_files(args.source)
-    check_allowed(args, paths)
+    check_allowed(args, field=field)
+    fs, paths = data_files(args.source, field)
+    check_allowed(args, paths, field)
     if _is_local_fs(fs):
         if len(paths) == 1:
             return file_sha256(Path(paths[0]))
         return files_fingerprint([Path(p) for p in paths], root=Path(os.path.commonpath(paths)))
     return hash_json(sorted((p, _remote_sha256(fs, p)) for p in paths))
+
+
+def content_sha256(fs: Any, path: str) -> str:
+    """sha256 of one data file's bytes (memoised: by identity for local files, by the server's checksum else)."""
+    return file_sha256(Path(path)) if _is_local_fs(fs) else _remote_sha256(fs, path)
 
 
 def _remote_sha256(fs: Any, path: str) -> str:
@@ -172,25 +182,30 @@ def _remote_sha256(fs: Any, path: str) -> str:
     return _REMOTE_HASHES[memo]
 
 
-def read_chunks(args: DataArgs, problems: Problems) -> Iterator[RawChunk]:
+def read_chunks(args: DataArgs, problems: Problems, field: str = "data.source") -> Iterator[RawChunk]:
     """The source's rows in chunks, in a fixed order (files sorted by name)."""
     if is_hub(args.source):
         yield from _hub_chunks(args)
         return
-    fs, paths = data_files(args.source)
-    check_allowed(args, paths)
+    fs, paths = data_files(args.source, field)
+    check_allowed(args, paths, field)
     for path in paths:
-        with fs.open(path, "rb") as f:
-            if path.endswith(".csv"):
-                yield from _csv_chunks(f, path, problems)
-            elif path.endswith(".parquet"):
-                yield from _arrow_chunks(_parquet_batches(f), path)
-            elif path.endswith((".txt", ".raw")):
-                yield from _line_chunks(f, path, "text_lines", problems)
-            elif path.endswith(".json") and _starts_array(f):
-                yield from _json_array_chunks(f, path, problems)
-            else:
-                yield from _line_chunks(f, path, "json_lines", problems)
+        yield from file_chunks(fs, path, problems)
+
+
+def file_chunks(fs: Any, path: str, problems: Problems) -> Iterator[RawChunk]:
+    """One data file's rows in chunks; a chunk never spans two files."""
+    with fs.open(path, "rb") as f:
+        if path.endswith(".csv"):
+            yield from _csv_chunks(f, path, problems)
+        elif path.endswith(".parquet"):
+            yield from _arrow_chunks(_parquet_batches(f), path)
+        elif path.endswith((".txt", ".raw")):
+            yield from _line_chunks(f, path, "text_lines", problems)
+        elif path.endswith(".json") and _starts_array(f):
+            yield from _json_array_chunks(f, path, problems)
+        else:
+            yield from _line_chunks(f, path, "json_lines", problems)
 
 
 def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems

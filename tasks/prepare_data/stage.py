@@ -6,8 +6,10 @@ tokenizer. Streams the rows in chunks through tokenizer workers on all cores and
 runs_dir/prepare_data/<key>/, train.parquet and eval.parquet one row group per chunk (columns
 input_ids and labels, int32 lists; prompt tokens are -100 in labels when training on completions
 only; with data.pack_examples, train.parquet rows are packs with position_ids and seq_lengths too)
-and manifest.json with the row counts by reason and token-length statistics. Bad data fails with one
-UserError listing every problem, before any GPU work and without a manifest.
+and manifest.json with the row counts by reason and token-length statistics. A source of several files is
+tokenized file by file into content-keyed parts (tasks/prepare_data/parts.py) that later runs reuse, and the
+two files are assembled from them. With data.eval_source, eval.parquet is all of it and train.parquet all of
+data.source. Bad data fails with one UserError listing every problem, before any GPU work and without a manifest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +29,26 @@ from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, StageSpec, open_stage
-from tasks.prepare_data import preference
+from tasks.manifest import PREFERENCE_FORMATS, StageSpec, hash_json, open_stage
+from tasks.prepare_data import parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
-from tasks.prepare_data.sources import Problems, columns, decode, fingerprint, read_chunks
+from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
 from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
 VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]
+# where each input lies, not what it holds: out of the key (the fingerprint has the bytes or hub commit)
+LOCATED = ("data.source", "data.eval_source", "data.allowed_roots", "tokenizer.source")
 
 
 def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
-    """Cache-key inputs: data settings, the data's bytes or hub commit, the tokenizer's files."""
+    """Cache-key inputs: data settings, the data's (and eval data's) bytes or hub commit, the tokenizer's files."""
+    evals = {"eval_data": fingerprint(_eval_args(args), "data.eval_source")} if args.eval_source else {}
     return StageSpec(
-        stage="prepare_data", version=VERSION, runs_dir=runs_dir,
+        stage="prepare_data", version=VERSION, runs_dir=runs_dir, located=LOCATED,
         params={"data": args.model_dump(), "tokenizer": {"source": model.base_model, "revision": model.revision}},
-        fingerprint={"data": fingerprint(args),
+        fingerprint={"data": fingerprint(args), **evals,
                      **{f"tokenizer_{k}": v for k, v in
                         model_fingerprint(model.base_model, model.revision, only=TOKENIZER_FILES).items()}},
     )
@@ -53,59 +60,141 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
     with open_stage(spec(args, model, runs_dir)) as stage:
         if stage.done:
             return str(stage.dir)
-        problems = Problems()
-        chunks = read_chunks(args, problems)
-        first = next(chunks, None)
-        found = columns(first, args.column_mapping) if first else []
-        if not found:
-            if first is not None:  # rows that are not records: say which lines and why, not "no rows"
-                for _ in decode(first, args.column_mapping, problems):
-                    pass
-            problems.raise_if_any(args.source)
-            raise UserError(f"data.source={args.source!r} holds no rows. Point it at a non-empty dataset.")
-        fmt = detect_format(found, args.format)
+        train_src = _Source(args, "data.source")
+        eval_src = _Source(_eval_args(args), "data.eval_source") if args.eval_source else None
+        fmt = train_src.fmt
+        if eval_src is not None and (eval_src.fmt in PREFERENCE_FORMATS) != (fmt in PREFERENCE_FORMATS):
+            raise UserError(f"data.eval_source={args.eval_source!r} is in the {eval_src.fmt} format and data.source "
+                            f"in the {fmt} format: evaluation needs the kind of examples training has (preference "
+                            "pairs for both, or instruction/chat/text for both). Point data.eval_source at such data.")
         if fmt in PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
             tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
-            metrics = preference.write(args, tokenizer, fmt, itertools.chain([first], chunks), problems, stage.dir,
-                                       VERSION)
-            problems.raise_if_any(args.source)
+            metrics = preference.write(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir, VERSION,
+                                       eval_src.raw() if eval_src else None)
+            _raise_problems(train_src, eval_src)
             _check(args, fmt, metrics)
             logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
             stage.finish(OUTPUTS, metrics)
             return str(stage.dir)
-        settings = _settings(args, model, fmt)
+        keyed = {k: v for k, v in stage.spec.fingerprint.items() if k.startswith("tokenizer_")}
+        parts_dir = stage.spec.runs_dir / "prepare_data" / "parts"
+        settings = _settings(args, model, fmt, parts_dir / f"tokenizer-{_tokenizer_key(keyed)}.json")
         logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
                       "completion-only" if settings.completion_only else "full-text", settings.max_len)
+        eval_settings = settings if eval_src is None or eval_src.fmt == fmt else _settings(args, model, eval_src.fmt)
         report = _Report(args.max_seq_length)
+        trains = train_src.tokenized(settings, report, keyed, parts_dir)
+        evals_in = eval_src.tokenized(eval_settings, report, keyed, parts_dir) if eval_src else None
+        _raise_problems(train_src, eval_src)  # bad rows of files tokenized into parts, before writing
         cut = np.uint64(int(args.eval_fraction * 2**64))  # by content hash: reordering rows keeps the split
         with _Writer(stage.dir / "train.parquet", args.pack_examples, settings) as train, \
                 _Writer(stage.dir / "eval.parquet", False, settings) as evals:
-            for part in tokenize_all(itertools.chain([first], chunks), settings, _cores()):
-                problems.merge(part.problems)
-                report.add(part)
-                train.write(part, part.hashes >= cut)
-                evals.write(part, part.hashes < cut)
-        problems.raise_if_any(args.source)
+            for part in trains:
+                train.write(part, part.hashes >= cut if evals_in is None else np.ones(len(part.hashes), bool))
+                if evals_in is None:
+                    evals.write(part, part.hashes < cut)
+            for part in evals_in or ():
+                evals.write(part, np.ones(len(part.hashes), bool))
+        _raise_problems(train_src, eval_src)
         _check_snapshot(args, stage.spec.fingerprint["data"])
+        if eval_src is not None:
+            _check_snapshot(_eval_args(args), stage.spec.fingerprint["eval_data"], "data.eval_source")
         metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
                    "chat_template": args.chat_template if fmt == "chat" else None,
-                   "pack_examples": args.pack_examples, **report.metrics(train, evals)}
+                   "pack_examples": args.pack_examples, **report.metrics(train, evals),
+                   **_part_counts(train_src, eval_src)}
         _check(args, fmt, metrics)
         logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
         stage.finish(OUTPUTS, metrics)
         return str(stage.dir)
 
 
-def _check_snapshot(args: DataArgs, keyed: str) -> None:
+def _eval_args(args: DataArgs) -> DataArgs:
+    """data.eval_source read as a source, with the section's other settings."""
+    return args.model_copy(update={"source": args.eval_source, "eval_source": None})
+
+
+class _Source:
+    """One source's rows: probed for its format at once; then tokenized per file into parts (several files)
+    or straight through (one file, a hub dataset)."""
+
+    def __init__(self, args: DataArgs, field: str) -> None:
+        self.args, self.field, self.problems = args, field, Problems()
+        self.computed: int | None = None  # parts tokenized and reused, when the source has several files
+        self.reused: int | None = None
+        chunks = read_chunks(args, self.problems, field)
+        first = next(chunks, None)
+        found = columns(first, args.column_mapping) if first else []
+        if not found:
+            if first is not None:  # rows that are not records: say which lines and why, not "no rows"
+                for _ in decode(first, args.column_mapping, self.problems):
+                    pass
+            self.problems.raise_if_any(args.source, field)
+            raise UserError(f"{field}={args.source!r} holds no rows. Point it at a non-empty dataset.")
+        self.fmt = detect_format(found, args.format)
+        self.files = None if is_hub(args.source) else data_files(args.source, field)
+        if self.files is not None and len(self.files[1]) > 1:
+            chunks.close()  # each file is read again on its own, if its part is not there yet
+            self.problems, self._chunks = Problems(), None
+        else:
+            self._chunks = itertools.chain([first], chunks)
+
+    def raw(self) -> Iterator[RawChunk]:
+        """The rows in chunks, all files in order (preference data is not kept in parts)."""
+        return self._chunks if self._chunks is not None else read_chunks(self.args, self.problems, self.field)
+
+    def tokenized(self, settings: Settings, report: _Report, keyed: dict[str, str], parts_dir: Path
+                  ) -> Iterator[Tokenized]:
+        """Tokenized chunks in order, counted into the report; the parts of several files are made here, at once."""
+        if self._chunks is not None:
+            return self._straight(settings, report)
+        fs, paths = self.files
+        folders, self.computed = parts.prepare(fs, paths, settings, keyed, VERSION, parts_dir, self.problems,
+                                               _cores())
+        self.reused = len(paths) - self.computed
+        return self._from_parts(folders, report)
+
+    def _straight(self, settings: Settings, report: _Report) -> Iterator[Tokenized]:
+        for part in tokenize_all(self._chunks, settings, _cores()):
+            self.problems.merge(part.problems)
+            report.add(part)
+            yield part
+
+    def _from_parts(self, folders: list[Path], report: _Report) -> Iterator[Tokenized]:
+        if self.problems.counts:
+            return
+        for folder in folders:
+            report.merge(parts.read_part(folder))
+            yield from parts.chunks_of(folder)
+
+
+def _part_counts(*sources: _Source | None) -> dict[str, int]:
+    used = [s for s in sources if s is not None and s.computed is not None]
+    return {"parts_tokenized": sum(s.computed for s in used), "parts_reused": sum(s.reused for s in used)} if used \
+        else {}
+
+
+def _raise_problems(*sources: _Source | None) -> None:
+    text = " ".join(s.problems.message(s.args.source, s.field) for s in sources if s is not None)
+    if text.strip():
+        raise UserError(text.strip())
+
+
+def _check_snapshot(args: DataArgs, keyed: str, field: str = "data.source") -> None:
     """Fail when the data changed while it was read: the folder would hold rows its key does not cover."""
-    now = fingerprint(args)
+    now = fingerprint(args, field)
     if now != keyed:
-        raise UserError(f"data.source={args.source!r} changed while prepare_data was reading it (its bytes no longer "
+        raise UserError(f"{field}={args.source!r} changed while prepare_data was reading it (its bytes no longer "
                         "match those the stage key was computed from), so nothing was written. Run again once the "
                         "data is no longer being written.")
 
 
-def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
+def _tokenizer_key(keyed: dict[str, str]) -> str:
+    # what transformers makes of the tokenizer's files may change with its version
+    return hash_json([keyed, metadata.version("transformers")])[:16]
+
+
+def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = None) -> Settings:
     tokenizer_dir = model_path(model.base_model, model.revision, weights=False)  # the tokenizer is enough
     positions = max_positions(tokenizer_dir)
     if positions is not None and args.max_seq_length > positions:
@@ -119,7 +208,7 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str) -> Settings:
                         "(README: Data formats).")
     completion_only = args.completion_only_loss if args.completion_only_loss is not None else fmt != "text"
     settings = make_settings(str(tokenizer_dir), fmt, dict(args.column_mapping), completion_only,
-                             args.max_seq_length, template)
+                             args.max_seq_length, template, saved)
     if settings.fold_system:
         logger().info("prepare_data: the chat template has no system role: each system message goes before the next "
                       "user message, separated by a blank line (README: Data formats)")
@@ -189,23 +278,12 @@ def _pack(table: Any, max_len: int) -> Any:
     })
 
 
-class _Report:
-    """Counts by reason and a histogram of token lengths (exact percentiles in memory that does not grow)."""
+class _Report(parts.Tally):
+    """The tally of every chunk or part, and the DataMetrics drawn from it and the writers."""
 
     def __init__(self, max_len: int) -> None:
+        super().__init__()
         self.max_len = max_len
-        self.counts = {"rows_in": 0, "dropped_empty": 0, "dropped_prompt_too_long": 0, "truncated": 0,
-                       "truncated_tokens": 0}
-        self.histogram = np.zeros(max_len + 1, dtype=np.int64)
-
-    def add(self, part: Tokenized) -> None:
-        for key, value in (("rows_in", part.rows), ("dropped_empty", part.empty),
-                           ("dropped_prompt_too_long", part.prompt_too_long), ("truncated", part.truncated),
-                           ("truncated_tokens", part.tokens_cut)):
-            self.counts[key] += value
-        if len(part.raw_lengths) and part.raw_lengths.max() >= len(self.histogram):
-            self.histogram = np.pad(self.histogram, (0, int(part.raw_lengths.max()) + 1 - len(self.histogram)))
-        self.histogram += np.bincount(part.raw_lengths, minlength=len(self.histogram))
 
     def metrics(self, train: _Writer, evals: _Writer) -> dict[str, Any]:
         rendered = int(self.histogram.sum())
@@ -233,12 +311,17 @@ def _check(args: DataArgs, fmt: str, m: dict[str, Any]) -> None:
         raise UserError(
             f"Every example is longer than data.max_seq_length={args.max_seq_length} tokens (shortest {m['len_min']}, "
             f"median {m['len_p50']}). Raise data.max_seq_length (to about {m['len_p90']} to keep 90% whole).")
+    if args.eval_source and m["eval_examples"] == 0:
+        raise UserError(
+            f"data.eval_source={args.eval_source!r} yields no eval examples: every row is empty or has a prompt of "
+            "max_seq_length tokens or more. Point it at held-out examples in the format of data.source, or raise "
+            "data.max_seq_length.")
     if m["train_examples"] == 0:
         raise UserError(
             f"No training examples left in {args.source} after filtering: {m['rows_in']} rows read, "
             f"{m['dropped_empty']} empty, {m['dropped_prompt_too_long']} with a prompt of max_seq_length tokens or "
             f"more, {m['eval_examples']} held out for eval. Check the data, or raise data.max_seq_length.")
-    if args.eval_fraction > 0 and m["eval_examples"] == 0:
+    if not args.eval_source and m["eval_examples"] == 0:
         raise UserError(
             f"No eval examples: data.eval_fraction={args.eval_fraction} of {m['rows_out']} examples held out none. "
             "Raise data.eval_fraction or add data.")
@@ -256,4 +339,6 @@ def _table(m: dict[str, Any], max_len: int) -> str:
             ("train rows" + (" (packed)" if m["pack_examples"] else ""), f"{m['train_rows']:,}"),
             ("padding waste at max_seq_length", f"{m['padding_waste']:.1%}"),
             ("tokens written", f"{m['tokens']:,}")]
+    if m.get("parts_tokenized") is not None:
+        rows.append(("files tokenized / reused", f"{m['parts_tokenized']:,} / {m['parts_reused']:,}"))
     return "\n".join(f"  {label:<38} {value}" for label, value in rows)

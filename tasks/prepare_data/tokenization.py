@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 import sys
@@ -50,16 +51,24 @@ class Settings:
 
 
 def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], completion_only: bool,
-                  max_len: int, chat_template: str | None) -> Settings:
-    """Settings for this tokenizer and format; loads the tokenizer into this process too."""
+                  max_len: int, chat_template: str | None, saved: Path | None = None) -> Settings:
+    """Settings for this tokenizer and format; loads the tokenizer into this process too. `saved`: a file that
+    keeps what transformers says of the tokenizer across processes, named by the tokenizer's content."""
     memo = (tokenizer_dir, *sorted((p.name, p.stat().st_mtime_ns) for p in Path(tokenizer_dir).iterdir()))
+    if memo not in _DESCRIBED and saved is not None and fmt != "chat" and saved.is_file():
+        _DESCRIBED[memo] = json.loads(saved.read_text())
     if memo not in _DESCRIBED and (fmt == "chat" or "transformers" in sys.modules or not _can_spawn()):
         _DESCRIBED[memo] = _describe(tokenizer_dir)
     elif memo not in _DESCRIBED:
-        # transformers imports torch (0.3-1 GB of RSS): read the tokenizer in a short-lived process instead
+        # transformers imports torch (0.3-1 GB of RSS, seconds): read the tokenizer in a short-lived process instead
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as helper:
             _DESCRIBED[memo] = helper.submit(_describe, tokenizer_dir).result()
     facts = _DESCRIBED[memo]
+    if saved is not None and not saved.is_file():
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(facts))
+        os.replace(tmp, saved)
     settings = Settings(str(tokenizer_dir), fmt, column_mapping, completion_only, max_len, chat_template,
                         prefix=[] if fmt == "chat" else facts["prefix"], eos=facts["eos"],
                         eos_text=facts["eos_text"], backend_json=facts["backend_json"])

@@ -31,7 +31,7 @@ SHARD_SIZE = "5GB"
 def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
     """Cache-key inputs: model settings and the base model's file bytes or hub commit."""
     return StageSpec(stage="prepare_model", version=VERSION, runs_dir=runs_dir,
-                     params={"model": args.model_dump()},
+                     params={"model": args.model_dump()}, located=("model.base_model",),  # the fingerprint has it
                      fingerprint=model_fingerprint(args.base_model, args.revision))
 
 

@@ -33,14 +33,18 @@ ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetenso
 
 def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
          ) -> StageSpec:
-    """Cache-key inputs: LoRA, training and speed settings, the two upstream stages and the init adapter's files."""
-    init = {}
+    """Cache-key inputs: LoRA, training and speed settings, prepare_model, the bytes of prepare_data's train.parquet
+    (all this stage reads of it: a new data.eval_source leaves training reused) and the init adapter's files."""
+    data = read_manifest(Path(data_dir))
+    if data is None:
+        raise RuntimeError(f"{data_dir} has no valid manifest.json: its stage did not finish")
+    keyed = {"train_data": data.hashes["train.parquet"]}
     if train.init_adapter:  # its content, not its name: a new champion is a new starting point
         folder = resolve_adapter(train.init_adapter, runs_dir)
-        init = {"init_adapter": files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])}
-    return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir,
+        keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
+    return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir, located=("train.init_adapter",),
                      params={"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()},
-                     upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir)}, fingerprint=init)
+                     upstream={"prepare_model": Path(model_dir)}, fingerprint=keyed)
 
 
 @task(name="train_adapter", **stage_task_options(spec))

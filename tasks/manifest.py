@@ -107,6 +107,7 @@ class TrainMetrics(_Metrics):
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
     method: Literal["sft", "dpo", "kto"] = "sft"
+    tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
 
 
 class EvalMetrics(_Metrics):

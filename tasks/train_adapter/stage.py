@@ -16,8 +16,9 @@ from pathlib import Path
 
 from prefect import task
 
+from tasks import tracking
 from tasks.caching import stage_task_options
-from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
@@ -31,9 +32,11 @@ VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapter
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
 
 
-def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
-         ) -> StageSpec:
-    """Cache-key inputs: LoRA, training and speed settings, the two upstream stages and the init adapter's files."""
+def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str,
+         track: TrackArgs | None = None) -> StageSpec:
+    """Cache-key inputs: LoRA, training and speed settings, the two upstream stages and the init adapter's files.
+
+    Not `track`: tracking changes where the training's numbers are sent, not the adapter (tasks/tracking)."""
     init = {}
     if train.init_adapter:  # its content, not its name: a new champion is a new starting point
         folder = resolve_adapter(train.init_adapter, runs_dir)
@@ -44,19 +47,20 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
 
 
 @task(name="train_adapter", **stage_task_options(spec))
-def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
-                  ) -> str:
+def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str,
+                  track: TrackArgs | None = None) -> str:
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
     if not train.init_adapter:  # an init adapter brings its own target modules
         check_target_modules(lora.target_modules, Path(model_dir))
     check_method(train.method, Path(data_dir))
-    keep = ("checkpoints", "loss.jsonl")  # an interrupted run resumes from these
+    keep = ("checkpoints", "loss.jsonl", tracking.REFS)  # an interrupted run resumes from these (in the same runs)
     with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
         if stage.done:
             return str(stage.dir)
         resume = latest_checkpoint(stage.dir / "checkpoints")
         if train.init_adapter:  # the ranks get the folder itself
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
+        refs = tracking.open_training(track, runs_dir, stage.dir) if track and track.backend else {}
         processes = parallel.world_size(speed)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
             if processes > 1:
@@ -65,7 +69,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                 fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
                 metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
-        stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, **({"tracking": refs} if refs else {})},
+                     resumed_from_step=resumed)
         return str(stage.dir)
 
 

@@ -20,12 +20,14 @@ Backends are imported by name when used, so a run without tracking needs neither
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tasks.config import RunConfig, TrackArgs
+from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import Manifest, read_manifest
 
@@ -57,7 +59,10 @@ class PipelineRun:
 
 
 class Backend(Protocol):
-    """A tracking backend: a module tasks/tracking/<name>.py with these three functions."""
+    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these three
+    functions; its name is one of config.TRACKING_BACKENDS."""
+
+    REQUIRES: str
 
     def open_run(self, track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref:
         """Open the run a training reports into; what finds it again (JSON-able: torchrun's ranks read it)."""
@@ -71,8 +76,12 @@ class Backend(Protocol):
 
 
 def backend(name: str) -> Backend:
-    """The backend module of that name (imported now: mlflow and tensorboard are optional)."""
-    return importlib.import_module(f"tasks.tracking.{name}")  # type: ignore[return-value]
+    """The backend module of that name; a UserError when the library it needs is not installed."""
+    module = importlib.import_module(f"tasks.tracking.{name}")
+    if importlib.util.find_spec(module.REQUIRES) is None:
+        raise UserError(f"track.backend names {name}, but {module.REQUIRES} is not installed. Install the tracking "
+                        "extra (pip install -e \".[tracking]\"), or take it out of track.backend.")
+    return module  # type: ignore[return-value]
 
 
 def flow_run_tags() -> dict[str, str]:
@@ -86,16 +95,20 @@ def flow_run_tags() -> dict[str, str]:
     return {k: str(v) for k, v in found.items() if v}
 
 
-def open_training(track: TrackArgs, runs_dir: Path, train_dir: Path) -> dict[str, Ref]:
+def open_training(track: TrackArgs | None, runs_dir: Path, train_dir: Path) -> dict[str, Ref]:
     """Open each backend's run for the training in train_dir, or keep those an interrupted training there opened
     (a resumed training goes on in the same run); written to train_dir/.tracking.json for `trainer_callbacks`."""
-    refs = read_refs(train_dir)
+    wanted = track.backend if track else []
+    refs = {name: ref for name, ref in read_refs(train_dir).items() if name in wanted}
     tags = {**flow_run_tags(), "qlora.train_key": train_dir.name}
-    for name in track.backend:
+    for name in wanted:
         if name not in refs:
             refs[name] = backend(name).open_run(track, runs_dir, f"train_adapter-{train_dir.name}", tags)
             logger().info("train_adapter: tracking into %s %s", name, refs[name])
-    (train_dir / REFS).write_text(json.dumps(refs))
+    if refs:
+        (train_dir / REFS).write_text(json.dumps(refs))
+    else:  # tracking turned off since an interrupted training: its runs get no more steps
+        (train_dir / REFS).unlink(missing_ok=True)
     return refs
 
 

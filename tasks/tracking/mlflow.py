@@ -16,6 +16,7 @@ from typing import Any
 from tasks.config import TrackArgs
 from tasks.tracking import PipelineRun, Ref
 
+REQUIRES = "mlflow"
 KEY_TAG = "qlora.export_key"  # the pipeline result a run holds (tasks/tracking: one run per result)
 CHAMPION_ALIAS = "champion"
 
@@ -44,7 +45,7 @@ def _into_run(tracking_uri: str, run_id: str) -> Any:
 
         def setup(self, args: Any, state: Any, model: Any) -> None:
             if state.is_world_process_zero:
-                self._ml_flow.set_tracking_uri(tracking_uri)
+                self._ml_flow.set_tracking_uri(tracking_uri)  # MLflow's is per process (so is the callback's)
                 active = self._ml_flow.active_run()
                 if active is None or active.info.run_id != run_id:  # an out-of-memory retry finds it active
                     self._ml_flow.start_run(run_id=run_id)

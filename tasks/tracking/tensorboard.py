@@ -18,6 +18,7 @@ import yaml
 from tasks.config import TrackArgs
 from tasks.tracking import PipelineRun, Ref
 
+REQUIRES = "tensorboard"
 EVENTS = "events.out.tfevents.*"
 
 

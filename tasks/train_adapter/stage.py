@@ -60,7 +60,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         resume = latest_checkpoint(stage.dir / "checkpoints")
         if train.init_adapter:  # the ranks get the folder itself
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
-        refs = tracking.open_training(track, runs_dir, stage.dir) if track and track.backend else {}
+        refs = tracking.open_training(track, runs_dir, stage.dir)
         processes = parallel.world_size(speed)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
             if processes > 1:

@@ -47,7 +47,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=5)  # its store is a temporary folder: nothing to lose by a kill after that
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -93,7 +93,9 @@ def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str
     assert run.data.metrics["tuned_eval_loss"] == pytest.approx(metrics["tuned_eval_loss"])
     assert run.data.metrics["base_eval_loss"] == pytest.approx(metrics["base_eval_loss"])
     tags = run.data.tags
-    assert tags["prefect.flow_run_id"] == train.run_attempt.split(":")[0]
+    flow_run_id = train.run_attempt.split(":")[0]
+    assert tags["prefect.flow_run_id"] == flow_run_id and tags["qlora.train_key"] == train.key
+    assert tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run_id}")
     assert tags["qlora.promotion"] == "promoted" and tags["qlora.export_version"] == "v0001"
     assert tags["qlora.stage.train_adapter"] == "computed" and run.info.run_name == "adapter-v0001"
     artifacts = {f.path for f in client.list_artifacts(run_id, "adapter")}
@@ -106,13 +108,16 @@ def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert events.Scalars("eval/tuned_eval_loss")[0].value == pytest.approx(metrics["tuned_eval_loss"])
 
-    # the same result again (tracking settings changed): every stage cached, no second run anywhere
-    again = run_flow(small_overrides(small_data, runs, **track))
+    # the same result again, tracking settings changed: every stage cached, no second run, the same model version
+    again = run_flow(small_overrides(small_data, runs, **track, **{"track.register_model": "true",
+                                                                   "track.registered_model_name": "bot"}))
     assert set(statuses(again).values()) == {"cached"}
     assert again["tracking"]["mlflow"]["run_id"] == run_id
     assert again["tracking"]["mlflow"]["logged"] == again["tracking"]["tensorboard"]["logged"] == "by an earlier run"
     experiment = client.get_experiment_by_name("pipeline").experiment_id
     assert len(client.search_runs([experiment])) == 1
+    assert client.get_model_version_by_alias("bot", "champion").run_id == run_id  # registered later, once
+    assert len(client.search_model_versions("name = 'adapter'")) == 1
 
     # another result of the same training, as a child run of a sweep's: its own run, the loss from loss.jsonl
     parent = client.create_run(experiment, run_name="sweep").info.run_id

@@ -85,14 +85,19 @@ def backend(name: str) -> Backend:
 
 
 def flow_run_tags() -> dict[str, str]:
-    """The Prefect flow run this is (id, UI URL), for tags; empty outside a run."""
+    """The Prefect flow run this is (id, and its page in the UI where the UI's address is known); {} outside one."""
     try:
         from prefect.runtime import flow_run
+        from prefect.settings import PREFECT_UI_URL
 
-        found = {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_url": flow_run.ui_url}
-    except Exception:  # outside a flow run (a stage through .fn()), or no UI URL configured
+        run_id, ui = flow_run.id, PREFECT_UI_URL.value()
+    except Exception:  # outside a flow run (a stage through .fn())
         return {}
-    return {k: str(v) for k, v in found.items() if v}
+    if not run_id:
+        return {}
+    # not flow_run.ui_url: it reads "None/flow-runs/..." when the UI's address is unknown (a temporary server)
+    return {"prefect.flow_run_id": str(run_id), **({"prefect.flow_run_url": f"{ui}/flow-runs/flow-run/{run_id}"}
+                                                     if ui else {})}
 
 
 def open_training(track: TrackArgs | None, runs_dir: Path, train_dir: Path) -> dict[str, Ref]:

@@ -63,17 +63,19 @@ def finish(track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
     experiment = _experiment(client, track.experiment_name)
     logged = client.search_runs([experiment], f"tags.`{KEY_TAG}` = '{run.key}'", max_results=1)
     if logged:  # every stage cached: this result is logged already
-        return _where(client, logged[0].info.run_id, experiment, reused=True)
-    run_id = ref["run_id"] if ref and _unfinished(client, ref["run_id"]) else None
-    if run_id is None:  # the training was tracked for another result, or not at all: a run of this result's own
-        run_id = client.create_run(experiment, tags={"qlora.train_key": run.manifests["train_adapter"].key,
-                                                     **_parent(track)}).info.run_id
-        client.log_batch(run_id, metrics=_loss_history(run))
-    _log(client, run_id, run)
-    client.update_run(run_id, status="FINISHED", name=f"{run.metrics['export_name']}-{run.metrics['export_version']}")
+        run_id = logged[0].info.run_id
+    else:
+        run_id = ref["run_id"] if ref and _unfinished(client, ref["run_id"]) else None
+        if run_id is None:  # the training was tracked for another result, or not at all: a run of this result's own
+            run_id = client.create_run(experiment, tags={"qlora.train_key": run.manifests["train_adapter"].key,
+                                                         **_parent(track)}).info.run_id
+            client.log_batch(run_id, metrics=_loss_history(run))
+        _log(client, run_id, run)
+        client.update_run(run_id, status="FINISHED",
+                          name=f"{run.metrics['export_name']}-{run.metrics['export_version']}")
     if track.register_model and run.metrics.get("champion_version") == run.metrics["export_version"]:
         _register(client, run_id, track.registered_model_name or run.config.export.name, run)
-    return _where(client, run_id, experiment, reused=False)
+    return _where(client, run_id, experiment, reused=bool(logged))
 
 
 def _log(client: Any, run_id: str, run: PipelineRun) -> None:
@@ -111,7 +113,9 @@ def _register(client: Any, run_id: str, name: str, run: PipelineRun) -> None:
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    version = client.create_model_version(
+    # once per run: a cached re-run (or register_model turned on later) points the alias at the same version
+    found = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    version = found[0] if found else client.create_model_version(
         name, f"{client.get_run(run_id).info.artifact_uri}/adapter", run_id=run_id,
         tags={"qlora.export_version": run.metrics["export_version"], "qlora.export_path": run.metrics["export_path"]})
     client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)

@@ -6,7 +6,8 @@ gradient accumulation, bf16 where supported, paged 8-bit AdamW, a learning-rate 
 runs_dir/train_adapter/<key>/: adapter/ (PEFT format), loss.jsonl (one line per logged step) and
 manifest.json. While it runs, checkpoints/checkpoint-N/ are written every `save_steps` optimizer
 steps; an interrupted run resumes from the latest complete one (adapter, optimizer, scheduler, RNG
-and data position), and they are removed once the adapter is saved.
+and data position), and they are removed once the adapter is saved. With track.backend, .tracking.json
+names the tracking runs the Trainer reports into (tasks/tracking), kept so a resumed training goes on in them.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         resume = latest_checkpoint(stage.dir / "checkpoints")
         if train.init_adapter:  # the ranks get the folder itself
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
-        refs = tracking.open_training(track, runs_dir, stage.dir)
         processes = parallel.world_size(speed)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+            refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
             if processes > 1:
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
             else:

@@ -21,6 +21,7 @@ from tasks.config import load_config
 from tasks.manifest import read_manifest
 from tests.conftest import run_flow, small_overrides, statuses
 
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mlflow server` with a SQLite store and a local artifact root on a free localhost port; stopped by pid."""

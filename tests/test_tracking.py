@@ -67,6 +67,23 @@ def test_backend_takes_a_name_or_a_list_and_registering_needs_mlflow() -> None:
         load_config(None, ["track.backend=tensorboard", "track.register_model=true"])
 
 
+def test_a_resumed_training_reports_into_the_runs_it_opened(tmp_path: Path) -> None:
+    from tasks import tracking
+    from tasks.config import TrackArgs
+
+    train_dir = tmp_path / "train_adapter" / "0123456789abcdef"
+    train_dir.mkdir(parents=True)
+    track = TrackArgs(backend=["tensorboard"])
+    opened = tracking.open_training(track, tmp_path, train_dir)
+    folder = str(tmp_path.resolve() / "tensorboard" / "train_adapter-0123456789abcdef")
+    assert opened == {"tensorboard": {"log_dir": folder}}
+    assert tracking.open_training(track, tmp_path, train_dir) == opened  # resumed: the same runs
+    [callback] = tracking.trainer_callbacks(train_dir)
+    assert type(callback).__name__ == "TensorBoardCallback" and callback.logging_dir == folder
+    assert tracking.open_training(TrackArgs(), tmp_path, train_dir) == {}  # turned off: no more reporting
+    assert tracking.trainer_callbacks(train_dir) == [] and not (train_dir / tracking.REFS).exists()
+
+
 @pytest.mark.slow
 def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str, prefect_env: Path,
                                                              small_data: Path, tmp_path: Path) -> None:

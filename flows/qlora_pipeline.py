@@ -35,7 +35,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     runs = config.runs_dir
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)
-    adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir)
+    adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
     return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])

@@ -382,6 +382,49 @@ class ExportArgs(_Section):
         return value
 
 
+TRACKING_BACKENDS = ("mlflow", "tensorboard")  # one module each in tasks/tracking/
+
+
+class TrackArgs(_Section):
+    """Experiment tracking (README: Experiment tracking). Part of no stage's cache key: tracking changes no output."""
+
+    backend: list[Literal[TRACKING_BACKENDS]] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="Where runs are logged: mlflow, tensorboard, or both; [] (or 'none') = "
+        "no tracking. A single name is taken as a list of one. mlflow and tensorboard need the 'tracking' extra.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). None: MLflow's "
+        "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
+    )
+    experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs go into (created if "
+                                 "missing).")
+    tensorboard_dir: str | None = Field(
+        None, description="TensorBoard log folder (one subfolder per trained adapter). None: runs_dir/tensorboard.",
+    )
+    parent_run_id: str | None = Field(
+        None, description="MLflow run id to file this run under as a child run (a sweep passes its own run).",
+    )
+    register_model: bool = Field(
+        False, description="mlflow: also register the registry's champion as a version of an MLflow registered "
+        "model with the alias 'champion' (the exports registry stays the source of truth).",
+    )
+    registered_model_name: str | None = Field(None, description="MLflow registered model name; None = export.name.")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set track.backend=mlflow, or "mlflow,tensorboard"
+            return [] if value.strip() in ("", "none") else [v.strip() for v in value.split(",")]
+        return value
+
+    @model_validator(mode="after")
+    def _register_needs_mlflow(self) -> TrackArgs:
+        if self.register_model and "mlflow" not in self.backend:
+            raise ValueError("track.register_model registers the champion in MLflow: add mlflow to track.backend, "
+                             "or set track.register_model=false")
+        return self
+
+
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
@@ -401,6 +444,8 @@ class RunConfig(_Section):
                            "scored against references, optional lm-evaluation-harness tasks.")
     export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
                                "name the adapter is published under and the gate that makes it champion.")
+    track: TrackArgs = Field(default_factory=TrackArgs, title="Experiment tracking", description="MLflow and "
+                             "TensorBoard logging of each run; off by default, and part of no cache key.")
 
     @model_validator(mode="before")
     @classmethod

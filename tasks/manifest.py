@@ -113,6 +113,7 @@ class TrainMetrics(_Metrics):
     # on a GPU with packing: the memory plan (tasks/train_adapter/memory_plan.py MemoryPlan: tokens, recompute_layers,
     # offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib with peak_gpu_allocated_gib
     memory_plan: dict[str, Any] | None = None
+    tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
 
 
 class EvalMetrics(_Metrics):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import artifacts, registry
+from tasks import artifacts, registry, tracking
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt, logger
@@ -47,6 +47,8 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
         artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "
                         f"{metrics['export_version']} {metrics['promotion']}: {metrics['promotion_reason']} "
                         f"Champion now: {metrics['champion_version'] or 'none'}.")
+    if config.track.backend:  # one MLflow/TensorBoard run per result: this run's, or the earlier one it reused
+        summary["tracking"] = tracking.finish(config, stage_dirs, {k: v["status"] for k, v in stages.items()}, metrics)
     (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
                                                  indent=2))
     return summary

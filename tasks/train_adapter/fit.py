@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.examples import ParquetExamples
@@ -148,7 +149,7 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
         args._n_gpu = 1
     dataset, collator, batches = plan.training_batches(model, examples, train, speed)
     logger().info("train_adapter: micro-batches %s", batches)
-    callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()]
+    callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(), *tracking.trainer_callbacks(out)]
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # it prints raw dicts to stdout; Progress logs instead
     return trainer, batches

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
@@ -126,7 +127,8 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
                        dataloader_num_workers=0, max_length=None, **settings)  # data.max_seq_length cut already
     trainer = trainer_type(model=model, args=args, train_dataset=dataset, data_collator=collator,
                            processing_class=_tokenizer(model_dir), peft_config=peft_config,
-                           callbacks=[LossLog(out / "loss.jsonl"), Progress(collator), mark_complete()])
+                           callbacks=[LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(),
+                                      *tracking.trainer_callbacks(out)])
     trainer.remove_callback(PrinterCallback)
     if compute == "float32":  # TRL casts the LoRA weights to bf16 (the QLoRA paper's choice for GPUs); on a CPU
         for param in trainer.model.parameters():  # computing in float32, bf16 LoRA matmuls are the slow part

@@ -6,7 +6,8 @@ gradient accumulation, bf16 where supported, paged 8-bit AdamW, a learning-rate 
 runs_dir/train_adapter/<key>/: adapter/ (PEFT format), loss.jsonl (one line per logged step) and
 manifest.json. While it runs, checkpoints/checkpoint-N/ are written every `save_steps` optimizer
 steps; an interrupted run resumes from the latest complete one (adapter, optimizer, scheduler, RNG
-and data position), and they are removed once the adapter is saved.
+and data position), and they are removed once the adapter is saved. With track.backend, .tracking.json
+names the tracking runs the Trainer reports into (tasks/tracking), kept so a resumed training goes on in them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 
 from prefect import task
 
+from tasks import tracking
 from tasks.caching import stage_task_options
-from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
@@ -31,10 +33,12 @@ VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapter
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
 
 
-def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
-         ) -> StageSpec:
+def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str,
+         track: TrackArgs | None = None) -> StageSpec:
     """Cache-key inputs: LoRA, training and speed settings, prepare_model, the bytes of prepare_data's train.parquet
-    (all this stage reads of it: a new data.eval_source leaves training reused) and the init adapter's files."""
+    (all this stage reads of it: a new data.eval_source leaves training reused) and the init adapter's files.
+
+    Not `track`: tracking changes where the training's numbers are sent, not the adapter (tasks/tracking)."""
     data = read_manifest(Path(data_dir))
     if data is None:
         raise RuntimeError(f"{data_dir} has no valid manifest.json: its stage did not finish")
@@ -48,13 +52,13 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
 
 
 @task(name="train_adapter", **stage_task_options(spec))
-def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str
-                  ) -> str:
+def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str, model_dir: str,
+                  track: TrackArgs | None = None) -> str:
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
     if not train.init_adapter:  # an init adapter brings its own target modules
         check_target_modules(lora.target_modules, Path(model_dir))
     check_method(train.method, Path(data_dir))
-    keep = ("checkpoints", "loss.jsonl")  # an interrupted run resumes from these
+    keep = ("checkpoints", "loss.jsonl", tracking.REFS)  # an interrupted run resumes from these (in the same runs)
     with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
         if stage.done:
             return str(stage.dir)
@@ -63,13 +67,15 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
         processes = parallel.world_size(speed)
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+            refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
             if processes > 1:
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
             else:
                 fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
                 metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
-        stage.finish([*ADAPTER_FILES, "loss.jsonl"], metrics, resumed_from_step=resumed)
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, **({"tracking": refs} if refs else {})},
+                     resumed_from_step=resumed)
         return str(stage.dir)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import reprlib
 import sys
 import textwrap
 from pathlib import Path
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(args)
     except Exception as exc:  # noqa: BLE001 - every config problem is the user's to fix
         return _user_error(_config_message(exc))
+    if args.command in ("run", "start", "serve") and (too_large := _parameters_too_large(config)):
+        return _user_error(too_large)
     if args.command == "validate":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -136,6 +139,20 @@ def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
     return 0 if watch(run.id) == "COMPLETED" else 1
 
 
+def _parameters_too_large(config: Any) -> str | None:
+    """Why the config cannot be a flow run's parameters (the server refuses them over its size limit), or None."""
+    from prefect.settings import get_current_settings
+
+    limit = get_current_settings().server.api.max_parameter_size  # 0: no limit
+    # measured as the server measures it (compact JSON), before a run or a server starts
+    size = len(json.dumps({"config": config.model_dump(mode="json")}, separators=(",", ":")).encode())
+    if not limit or size <= limit:
+        return None
+    return (f"the config is {size:,} bytes as flow-run parameters, more than the {limit:,} bytes Prefect's server "
+            "accepts (PREFECT_SERVER_API_MAX_PARAMETER_SIZE); nothing was started. Shorten the largest values (a "
+            "long data.column_mapping or list): put them in the data itself, or raise that limit on the server.")
+
+
 def _config(args: argparse.Namespace) -> Any:
     from tasks.config import PRESETS_DIR, load_config
 
@@ -152,15 +169,26 @@ def _config(args: argparse.Namespace) -> Any:
     return load_config(path, args.overrides)
 
 
+_SHOWN_PROBLEMS = 10  # a config with thousands of bad entries is one mistake repeated: show a few
+_QUOTED = reprlib.Repr()  # keyword arguments need Python 3.12
+_QUOTED.maxstring = _QUOTED.maxother = 60
+_QUOTED.maxlevel, _QUOTED.maxlist, _QUOTED.maxdict = 2, 4, 4
+
+
 def _config_message(exc: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
+        # a value is quoted by a short prefix only: wrapping a 50 MB value into the paragraph took minutes
+        errors = exc.errors(include_url=False)
         problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                    + (f" (got {e['input']!r})" if e["type"] != "missing" else "") for e in exc.errors()]
-        return (f"Invalid configuration, {len(problems)} problem(s): " + "; ".join(problems)
+                    + (f" (got {_QUOTED.repr(e['input'])})" if e["type"] != "missing" else "")
+                    for e in errors[:_SHOWN_PROBLEMS]]
+        more = f"; and {len(errors) - _SHOWN_PROBLEMS:,} more" if len(errors) > _SHOWN_PROBLEMS else ""
+        return (f"Invalid configuration, {len(errors)} problem(s): " + "; ".join(problems) + more
                 + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
-    return f"Invalid configuration: {exc}."
+    text = str(exc)
+    return f"Invalid configuration: {text if len(text) <= 2000 else text[:2000] + ' ...'}."
 
 
 def _run(config: Any, as_json: bool) -> int:
@@ -209,14 +237,18 @@ def _start(flow: Any, config: Any) -> Any:
 
 
 def _user_error(message: str) -> int:
-    print("\n" + textwrap.fill(f"error: {message}", width=100), file=sys.stderr)
+    # paths stay whole, so they can be copied from the terminal
+    print("\n" + textwrap.fill(f"error: {message}", width=100, break_on_hyphens=False, break_long_words=False),
+          file=sys.stderr)
     return USER_ERROR_EXIT
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
-        print(f"{stage:18} {info['status']:9} {info['dir']}")
+        resumed = info["status"] == "resumed" and "resumed_from_step" in info
+        status = info["status"] + (f" from step {info['resumed_from_step']}" if resumed else "")
+        print(f"{stage:18} {status:9} {info['dir']}")
     m = summary["metrics"]
     print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
           f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "

@@ -438,11 +438,38 @@ class RunConfig(_Section):
         return self
 
 
+# A config is a few KiB; Prefect stores it as the flow run's parameters, which its server caps at 524,288 bytes
+# (server.api.max_parameter_size), so a larger file or --set value cannot run anyway: refuse it before parsing
+# (a 50 MB value took minutes to be refused, a 1.1 M-entry column_mapping hours of the server's time).
+MAX_CONFIG_BYTES = 524_288
+
+
+def _check_size(path: Path | None, overrides: list[str]) -> None:
+    sizes = ([(str(path), Path(path).stat().st_size)] if path is not None else []) + [
+        (f"--set {item[:40]!r}{'...' if len(item) > 40 else ''}", len(item.encode())) for item in overrides]
+    total = sum(size for _, size in sizes)
+    if total > MAX_CONFIG_BYTES:
+        largest = ", ".join(f"{name}: {size:,} bytes" for name, size in sorted(sizes, key=lambda s: -s[1])[:3])
+        raise ValueError(f"the config is {total:,} bytes ({largest}), more than the limit of {MAX_CONFIG_BYTES:,} "
+                         "bytes (what Prefect stores as a flow run's parameters); a config names its data and "
+                         "model, it does not hold them: put large values (a long column_mapping, a list of files) "
+                         "in the data itself or a glob")
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deeply to read (a config is a mapping of sections of fields, a "
+                         "few levels deep); look for runaway brackets or indentation") from None
+
+
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """RunConfig from an optional YAML file plus `section.field=value` overrides (values parsed as YAML)."""
     raw: dict[str, Any] = {}
+    _check_size(path, overrides or [])
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = _parse_yaml(Path(path).read_text(), str(path))
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config sections, got {type(loaded).__name__}")
         raw = loaded
@@ -456,8 +483,12 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {part} is not a config section")
-        node[leaf] = yaml.safe_load(value)
-    return RunConfig.model_validate(raw)
+        node[leaf] = _parse_yaml(value, f"--set {dotted.strip()}")
+    try:
+        return RunConfig.model_validate(raw)
+    except RecursionError:
+        raise ValueError(f"{path or 'the --set values'}: a value is nested too deeply to check; a config field "
+                         "holds a string, a number, or a short list or mapping of them") from None
 
 
 def reference_table() -> str:

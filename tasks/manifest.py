@@ -30,6 +30,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from tasks import disk
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 
@@ -410,7 +411,13 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
         _clear(folder, keep)
         logger().info("%s %s: computing into %s", spec.stage, key, folder)
         run = StageRun(spec, folder, key, done=False)
-        yield run
+        try:
+            yield run
+        except Exception as exc:
+            if not disk.is_out_of_space(exc):
+                raise
+            _clear(folder, keep)  # the partial outputs: free what they held
+            raise disk.out_of_space(spec.stage, spec.runs_dir, folder) from exc
         if not run.done:
             raise RuntimeError(f"{spec.stage}: the stage body returned without calling finish()")
     finally:

@@ -1,4 +1,4 @@
-"""Hostile input and faults (issue 28): huge and deep configs, the resumed run's summary.
+"""Hostile input and faults (issue 28): huge and deep configs, the resumed run's summary, a full disk.
 
 Each case builds its input itself and goes through the CLI's `main` in this process: the exit code and stderr
 paragraph are the behaviour, and nothing may be started or written.
@@ -6,12 +6,22 @@ paragraph are the behaviour, and nothing may be started or written.
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deployments.cli import USER_ERROR_EXIT, _print_summary, main
+from tasks.config import LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.manifest import MANIFEST
+from tasks.prepare_model.stage import prepare_model
+from tasks.train_adapter.stage import train_adapter
 
 
 def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
@@ -76,3 +86,64 @@ def test_summary_of_a_resumed_run_names_the_step(capsys: pytest.CaptureFixture[s
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert "resumed from step 4" in lines["train_adapter"]
     assert "cached" in lines["prepare_data"] and "step" not in lines["prepare_data"]
+
+
+# ---- a full disk ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MB filesystem (tmpfs) for runs_dir; mounting needs root."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True,
+                          text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Fill disk with one file, leaving about `leave` bytes free."""
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - leave))
+    return filler
+
+
+def _full_disk_paragraph(info: pytest.ExceptionInfo[UserError], stage: str, runs: Path) -> None:
+    message = str(info.value)
+    for fragment in (f"{stage}: not enough disk space under runs_dir {runs}", "MB free of 8.0 MB",
+                     "Free space there or set runs_dir to a larger disk"):
+        assert fragment in message, message
+    assert "\n" not in message
+
+
+def test_prepare_model_checks_the_space_it_needs(small_disk: Path) -> None:
+    runs = small_disk / "runs"
+    filler = _fill(small_disk, 200_000)
+    with pytest.raises(UserError) as info:
+        prepare_model.fn(ModelArgs(), runs)
+    _full_disk_paragraph(info, "prepare_model", runs)
+    assert "it needs about" in str(info.value) and "the 4-bit checkpoint" in str(info.value)
+    assert not list(runs.glob("prepare_model/*/*.safetensors")) and not list(runs.rglob(MANIFEST))
+    filler.unlink()
+    assert (Path(prepare_model.fn(ModelArgs(), runs)) / MANIFEST).is_file()
+
+
+def test_checkpoint_on_a_full_disk_is_one_paragraph_and_resumes(small_disk: Path, stages: dict[str, Any]) -> None:
+    runs, train = small_disk / "runs", TrainArgs(max_steps=4, save_steps=1, logging_steps=1)
+    lora = LoraArgs(r=32, lora_alpha=32)  # checkpoints of about 2 MB: the second does not fit
+    filler = _fill(small_disk, 3_000_000)
+    with pytest.raises(UserError) as info:
+        train_adapter.fn(lora, train, SpeedArgs(), runs, stages["data"], stages["model"])
+    _full_disk_paragraph(info, "train_adapter", runs)
+    assert not list(runs.rglob(MANIFEST)) and not list(runs.glob("train_adapter/*/adapter"))
+    complete = [c.name for c in runs.glob("train_adapter/*/checkpoints/checkpoint-*") if (c / "complete").is_file()]
+    assert complete == ["checkpoint-1"]  # kept for the resume; a half-written one has no marker and is skipped
+    filler.unlink()
+    folder = Path(train_adapter.fn(lora, train, SpeedArgs(), runs, stages["data"], stages["model"]))
+    made = json.loads((folder / MANIFEST).read_text())
+    assert made["resumed_from_step"] >= 1 and made["metrics"]["optimizer_steps"] == 4

@@ -79,9 +79,34 @@ def _show_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> No
                 schema["properties"][name]["default"] = value
 
 
+def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Shape the JSON schema for the Prefect UI form, whatever the fields' types are.
+
+    `X | None` becomes plain X: the form showed a type toggle whose None side reads 'Property is type "None"'.
+    An empty input is left out of the parameters, so the field's default (None) applies; the null default is
+    dropped from the schema too, so Prefect's parameter validation still accepts an explicit null (it allows
+    null for an optional property without a default). A `const` (a one-value Literal such as 'all-linear')
+    becomes a one-value enum: the form showed "is a const and cannot be changed" until the type was switched.
+    """
+    _show_factory_defaults(schema, model)
+    for prop in schema.get("properties", {}).values():
+        branches = prop.get("anyOf", [])
+        kept = [b for b in branches if b.get("type") != "null"]
+        if branches and len(kept) == 1 and len(kept) < len(branches):
+            del prop["anyOf"]
+            prop.update({k: v for k, v in kept[0].items() if k not in prop})
+            if prop.get("default", 0) is None:
+                del prop["default"]
+            if "enum" in prop:  # the null a full config dump holds must still validate
+                prop["enum"] = [*prop["enum"], None]
+        for part in [prop, *prop.get("anyOf", [])]:
+            if "const" in part:
+                part["enum"] = [part.pop("const")]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_title,
-                              json_schema_extra=_show_factory_defaults)
+                              json_schema_extra=_form_friendly)
 
 
 class DataArgs(_Section):
@@ -341,7 +366,7 @@ class ExportArgs(_Section):
 
     name: str = Field(
         "adapter", max_length=100,
-        description="Registry name: versions go to runs_dir/exports/<name>/vNNNN/, the champion to champion.json.",
+        description="Registry name: versions go to `runs_dir/exports/<name>/vNNNN/`, the champion to champion.json.",
     )
     promotion_margin: float = Field(
         0.01, ge=0.0, lt=1.0, description="Promote a new version to champion only if its tuned eval loss is below "

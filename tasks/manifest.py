@@ -108,6 +108,7 @@ class TrainMetrics(_Metrics):
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
     method: Literal["sft", "dpo", "kto"] = "sft"
+    gpu_wait_seconds: float | None = None  # of the stage's seconds, waiting for the GPU slot (other runs' training)
 
 
 class EvalMetrics(_Metrics):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from deployments.cli import USER_ERROR_EXIT, _print_summary, main
-from tasks.config import LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+from tasks.config import LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
 from tasks.manifest import MANIFEST
 from tasks.prepare_model.stage import prepare_model
@@ -147,3 +147,91 @@ def test_checkpoint_on_a_full_disk_is_one_paragraph_and_resumes(small_disk: Path
     folder = Path(train_adapter.fn(lora, train, SpeedArgs(), runs, stages["data"], stages["model"]))
     made = json.loads((folder / MANIFEST).read_text())
     assert made["resumed_from_step"] >= 1 and made["metrics"]["optimizer_steps"] == 4
+
+
+# ---- what a person sees -----------------------------------------------------------------------------------------
+
+
+def _flow_run(state: Any) -> Any:
+    from prefect import get_client
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(qlora_pipeline, parameters={})
+        client.set_flow_run_state(run.id, state, force=True)
+        return client.read_flow_run(run.id)
+
+
+def _artifact(flow_run_id: Any, key: str) -> Any:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (found,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+        return found
+
+
+def test_failure_card_keeps_placeholders_and_says_what_to_change(prefect_env: Path) -> None:
+    from prefect.states import Failed
+
+    from tasks.artifacts import failure_summary
+
+    state = Failed(message="Flow run encountered an exception: UserError: lora.target_modules names q_projj, which "
+                   "data/tiny-llama does not have.")
+    run = _flow_run(state)
+    failure_summary(None, run, state)
+    card = _artifact(run.id, "run-failure").data
+    assert "`runs_dir/<stage>/<key>/`" in card  # a code span: rendered as written, not as an HTML tag
+    assert "lora.target\\_modules names q\\_projj" in card  # the message as text, not markdown
+    assert "If it names a config field, start a new run with the field changed" in card
+    assert "Retry would run the same parameters" in card
+
+
+def test_watch_waits_for_the_failure_card_and_skips_result_records(prefect_env: Path) -> None:
+    import threading
+
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+    from prefect.states import Crashed
+
+    from deployments.watch import watch
+
+    run = _flow_run(Crashed(message="Execution was aborted by a termination signal."))
+    with get_client(sync_client=True) as client:  # what Prefect records for a persisted result: no key
+        client.create_artifact(ArtifactCreate(type="result", data={"storage_key": "/x/abc"}, flow_run_id=run.id))
+
+    def hook_later() -> None:  # the worker's on_crashed hook writes the card seconds after the state
+        time.sleep(4)
+        with get_client(sync_client=True) as client:
+            client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", flow_run_id=run.id,
+                                                  data="## run crashed during train\\_adapter", description="Why"))
+
+    threading.Thread(target=hook_later, daemon=True).start()
+    printed: list[str] = []
+    assert watch(run.id, out=printed.append, poll_seconds=0.5) == "CRASHED"
+    text = "\n".join(printed)
+    assert "run crashed during train_adapter" in text and "storage_key" not in text, text
+
+
+def test_form_schema_has_no_const_and_no_null_toggle() -> None:
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.qlora_pipeline import qlora_pipeline
+    from tasks.config import RunConfig
+
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    text = json.dumps(schema)
+    assert '"const"' not in text and '{"type": "null"}' not in text
+    lora = schema["definitions"]["LoraArgs"]["properties"]["target_modules"]
+    assert {"enum": ["all-linear"], "type": "string"} in lora["anyOf"]
+    assert schema["definitions"]["TrainArgs"]["properties"]["optim"]["type"] == "string"
+    # a full config (its nulls included) still validates as Prefect's server validates deployment parameters
+    full = load_config(None, ["train.optim=adamw_torch", "data.name=x"])
+    for config in (RunConfig(), full):
+        assert not validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=False,
+                            preprocess=True, ignore_required=True)
+    assert validate({"config": {"train": {"optim": "sgd"}}}, schema, raise_on_error=False, preprocess=True,
+                    ignore_required=True)

@@ -19,8 +19,10 @@ import argparse
 import json
 import os
 import reprlib
+import signal
 import sys
 import textwrap
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +196,7 @@ def _config_message(exc: Exception) -> str:
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
+    from deployments.temporary_server import temporary_server
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
@@ -201,13 +204,22 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    signal.signal(signal.SIGTERM, _terminated)  # Prefect's flow engine records the crash first, then calls it
     if uses_server():
         ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
-        summary = _start(qlora_pipeline, config)
+        startup = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+        with nullcontext() if uses_server() else temporary_server(startup):
+            summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
+    except Terminated as exc:
+        print("\n" + textwrap.fill(
+            f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
+            "artifact says during which stage). Finished stages keep their folders; run the same command again "
+            "to resume (training from its latest complete checkpoint).", width=100), file=sys.stderr)
+        return exc.code
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -223,6 +235,14 @@ def _run(config: Any, as_json: bool) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+class Terminated(SystemExit):
+    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill): leave through every `finally`, exit 128 + 15."""
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(128 + signum)
 
 
 def _start(flow: Any, config: Any) -> Any:
@@ -253,6 +273,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
           f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "
           f"{m['tuned_perplexity']:.2f}")
+    if m.get("tuned_reward_accuracy") is not None:  # dpo/kto: what the promotion gate compares
+        print(f"reward accuracy ({m['eval_pairs']} held-out pairs): base {m['base_reward_accuracy']:.3f} -> tuned "
+              f"{m['tuned_reward_accuracy']:.3f}; reward margin {m['base_reward_margin']:.3f} -> "
+              f"{m['tuned_reward_margin']:.3f}")
     if m.get("tuned_rouge_l") is not None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")

@@ -257,9 +257,10 @@ class TrainArgs(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"] | None = (
         Field(None, description="Optimizer. None: adamw_torch_fused (torch's fused AdamW) on a GPU, adamw_torch with "
-              "speed.fsdp, paged_adamw_8bit (bitsandbytes' paged 8-bit AdamW) elsewhere. On an H200 the fused one "
-              "trains an 8B model 11% faster than paged_adamw_8bit for 0.28 GiB more (fp32 state of the LoRA "
-              "weights): bitsandbytes' optimizers wait for the GPU after each LoRA tensor (448 waits per step).")
+              "speed.fsdp, adamw_8bit (bitsandbytes' 8-bit AdamW; its paged variant falls back to it there) "
+              "elsewhere. On an H200 the fused one trains an 8B model 11% faster than paged_adamw_8bit for 0.28 "
+              "GiB more (fp32 state of the LoRA weights): bitsandbytes' optimizers wait for the GPU after each "
+              "LoRA tensor (448 waits per step).")
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     bf16: bool | None = Field(None, description="bf16 mixed precision; None = where the device supports it.")

@@ -1,4 +1,5 @@
-"""Hostile input and faults (issue 28): huge and deep configs, the resumed run's summary, a full disk.
+"""Hostile input and faults (issue 28): huge and deep configs, the resumed run's summary, a full disk, SIGTERM,
+and what a person sees of a failed run (its card, --watch, the form).
 
 Each case builds its input itself and goes through the CLI's `main` in this process: the exit code and stderr
 paragraph are the behaviour, and nothing may be started or written.
@@ -7,7 +8,9 @@ paragraph are the behaviour, and nothing may be started or written.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from tasks.errors import UserError
 from tasks.manifest import MANIFEST
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
+from tests.conftest import cli, cli_env, finish, last_json, small_overrides
 
 
 def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
@@ -76,15 +80,17 @@ def test_deep_nesting_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "recursion" not in err
 
 
-def test_summary_of_a_resumed_run_names_the_step(capsys: pytest.CaptureFixture[str]) -> None:
+def test_summary_names_the_resumed_step_and_the_reward_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
     stages = {"prepare_data": {"status": "cached", "dir": "runs/prepare_data/a"},
               "train_adapter": {"status": "resumed", "dir": "runs/train_adapter/b", "resumed_from_step": 4},
               "evaluate_adapter": {"status": "computed", "dir": "runs/evaluate_adapter/c"}}
     metrics = {"base_eval_loss": 2.0, "tuned_eval_loss": 1.0, "relative_improvement": 0.5, "base_perplexity": 7.4,
-               "tuned_perplexity": 2.7}
+               "tuned_perplexity": 2.7, "eval_pairs": 20, "base_reward_accuracy": 0.5, "tuned_reward_accuracy": 0.85,
+               "base_reward_margin": 0.0, "tuned_reward_margin": 1.25}  # a dpo run's: its gate compares the accuracy
     _print_summary({"stages": stages, "metrics": metrics, "export_dir": "x", "run_dir": "r"})
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert "resumed from step 4" in lines["train_adapter"]
+    assert "base 0.500 -> tuned 0.850" in lines["reward"] and "20 held-out pairs" in lines["reward"]
     assert "cached" in lines["prepare_data"] and "step" not in lines["prepare_data"]
 
 
@@ -235,3 +241,61 @@ def test_form_schema_has_no_const_and_no_null_toggle() -> None:
                             preprocess=True, ignore_required=True)
     assert validate({"config": {"train": {"optim": "sgd"}}}, schema, raise_on_error=False, preprocess=True,
                     ignore_required=True)
+
+
+# ---- SIGTERM ----------------------------------------------------------------------------------------------------
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getsid(int(proc.name)) == sid:
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path, tmp_path: Path,
+                                                                 target: str) -> None:
+    """What systemd, Kubernetes or a pre-empted node sends, to the CLI alone or to its whole process group: the run
+    ends within seconds as Crashed with its failure hook, nothing of it stays running, and a rerun resumes."""
+    steps = 40
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
+        small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 2})), [])]
+    env = cli_env(tmp_path / "prefect")
+    proc = cli(args, env, tmp_path / "first")
+    checkpoints = tmp_path / "runs" / "train_adapter"
+    deadline = time.time() + 600
+    try:
+        while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
+            assert proc.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+            assert time.time() < deadline, "no checkpoint written in time"
+            time.sleep(0.2)
+        (os.killpg if target == "group" else os.kill)(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        stopped = time.time()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "first.err").read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Crashed" in err and "Hook 'failure_summary' finished running successfully" in err, err[-3000:]
+    assert "stopped: the run got SIGTERM and ended as Crashed" in " ".join(err.split())
+    assert "ConnectError" not in err and "Error logging to API" not in err, err[-3000:]
+    while _session_processes(proc.pid) and time.time() < stopped + 10:
+        time.sleep(0.2)
+    assert not _session_processes(proc.pid), "a process of the run (its Prefect server?) outlived it"
+    if target == "process":
+        return
+
+    rerun = cli(args, env, tmp_path / "rerun")
+    out, err = finish(rerun, tmp_path / "rerun", timeout=900)
+    assert rerun.returncode == 0, err[-3000:]
+    train = last_json(out)["stages"]["train_adapter"]
+    assert train["status"] == "resumed" and train["resumed_from_step"] >= 2
+    assert json.loads((Path(train["dir"]) / MANIFEST).read_text())["metrics"]["optimizer_steps"] == steps

@@ -64,12 +64,15 @@ def worker_cmd(kind: str, spec: dict[str, Any]) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]
 
 
-def runs(steps: int, packs: list[int | None], mean_len: float) -> list[dict[str, Any]]:
-    """One run per pack size (None: train_adapter's own choice), with enough examples for its steps."""
+def runs(steps: int, packs: list[int | None], mean_len: float, budget_gb: float = 0) -> list[dict[str, Any]]:
+    """One run per pack size (None: train_adapter's own choice, its memory plan), with enough examples for its
+    steps; budget_gb sets speed.gpu_memory_budget_gb (0: the card)."""
     out = []
     for tokens in packs:
         speed = {"max_tokens_per_batch": tokens} if tokens else {}
-        n = math.ceil((steps + 2) * (tokens or 6144) / mean_len * 1.5) + 16
+        if budget_gb:
+            speed["gpu_memory_budget_gb"] = budget_gb
+        n = math.ceil((steps + 2) * (tokens or 16384) / mean_len * 1.5) + 16
         out.append({"name": f"tokens{tokens}" if tokens else "default", "n": n,
                     "train": {"max_steps": steps + 2, **speed}})
     return out
@@ -98,6 +101,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run, after 2 warm-up steps")
     ap.add_argument("--packs", default="2048,default", help="max_tokens_per_batch per run; default = unset")
     ap.add_argument("--seq", type=int, default=2048, help="example lengths are cut at this many tokens")
+    ap.add_argument("--memory-budget-gb", type=float, default=0, help="speed.gpu_memory_budget_gb of every run "
+                    "(0: the card's memory, the default)")
     ap.add_argument("--budget", type=int, default=540, help="seconds for the whole script; the training worker "
                     "is stopped at what is left of it (its finished runs are kept)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" /
@@ -137,7 +142,7 @@ def main() -> None:
     if "model_dir_4bit" not in result["build"]:
         sys.exit("build failed; see " + str(runner.log))
     spec = {"model_dir_4bit": result["build"]["model_dir_4bit"], "work": str(work), "seq": a.seq, "vocab": vocab,
-            "name": a.shape, "runs": runs(a.steps, packs, mean_len)}
+            "name": a.shape, "runs": runs(a.steps, packs, mean_len, a.memory_budget_gb)}
     left = int(a.budget - (time.time() - start) - 10)
     print(f"training: {len(packs)} runs in one process, {left} s left of the budget", flush=True)
     train = runner.run("pipeline", worker_cmd("pipeline", spec), timeout=max(60, left))

@@ -128,6 +128,7 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
 
     _cap(spec.get("cap_gib", 0))
     from tasks.config import LoraArgs
+    from tasks.errors import UserError
     from tasks.examples import ParquetExamples
     from tasks.train_adapter import fit
 
@@ -148,8 +149,8 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
         res: dict[str, Any] = {"name": run.get("name", str(i)), "train": run.get("train", {})}
         try:
             res.update(_train_once(model, examples, train, data.parent, model_dir, run, spec.get("compile")))
-        except torch.OutOfMemoryError as exc:
-            res.update(oom=True, error=str(exc).splitlines()[0][:200])
+        except (torch.OutOfMemoryError, UserError) as exc:  # UserError: no memory plan fits the budget
+            res.update(oom=True, error=str(exc).splitlines()[0][:300])
         print("RUN " + json.dumps(res), flush=True)
         out["runs"].append(res)
         import gc
@@ -536,7 +537,7 @@ def main() -> None:
         save()
     for extra in json.loads(a.sweep or "[]"):
         spec = {**base, "name": extra["name"], "lora": extra.get("lora", {}), "train": extra.get("train", {}),
-                "runs": extra["runs"], "compile": extra.get("compile")}
+                "runs": extra["runs"], "compile": extra.get("compile"), "cap_gib": extra.get("cap_gib", 0)}
         result.setdefault("sweep", {})[extra["name"]] = runner.run(f"sweep {extra['name']}",
                                                                    worker_cmd("pipeline", spec), tree_env(extra))
         save()
@@ -558,7 +559,8 @@ def main() -> None:
         jobs: dict[str, Any] = {}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             ladder = [int(s) for s in a.pipeline_ladder.split(",") if s]
-            spec = {**base, "name": "cap", "cap_gib": 16, "runs": max_seq_runs(ladder, {})}
+            # the memory plan sees the cap as its budget, as a user with a 16 GB card would set it
+            spec = {**base, "name": "cap", "cap_gib": 16, "runs": max_seq_runs(ladder, {"gpu_memory_budget_gb": 16})}
             jobs["pipeline_cap"] = pool.submit(runner.run, "pipeline cap 16 GiB", worker_cmd("pipeline", spec))
             spec = {**base, "n": 4000, "k": a.loss_examples}
             jobs["refloss"] = pool.submit(runner.run, "reference loss", worker_cmd("refloss", spec))
@@ -612,12 +614,12 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                          "loss_rel_diff": abs(pl - ref_loss) / ref_loss if pl and ref_loss else None,
                          "losses": pipe.get("losses"), "max_tokens_per_batch": pipe.get("max_tokens_per_batch"),
                          "setup": "train_adapter defaults (LoRA r=16 on all 7 projections)",
-                         **limit_fields(r, pipe.get("real_tokens_per_s"))}
+                         **plan_fields(pipe), **limit_fields(r, pipe.get("real_tokens_per_s"))}
         for name, entry in r.get("sweep", {}).items():
             for run in entry.get("runs", []):
                 s.setdefault("pipeline_variants", {})[f"{name}/{run.get('name')}"] = {
                     "real_tokens_per_s": run.get("real_tokens_per_s"), "peak_allocated_gib":
-                    run.get("peak_allocated_gib"), **limit_fields(r, run.get("real_tokens_per_s"))}
+                    run.get("peak_allocated_gib"), **plan_fields(run), **limit_fields(r, run.get("real_tokens_per_s"))}
     if uns:
         fits = [int(k.rsplit("_", 1)[1]) for k, v in caps.items() if k.startswith("unsloth_cap") and
                 not v.get("oom") and "error" not in v]
@@ -629,6 +631,18 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                         "losses": uns.get("losses"),
                         "setup": f"unsloth_probe.py --packing, all 7, micro-batch {a.unsloth_bs} x {a.unsloth_ga}"}
     return s
+
+
+def plan_fields(run: dict[str, Any]) -> dict[str, Any]:
+    """The memory plan a run trained with (tasks/train_adapter/memory_plan.py), and how far its predicted peak was
+    from the measured one."""
+    plan = (run.get("batches") or {}).get("memory_plan")
+    if not plan:
+        return {}
+    peak = run.get("peak_allocated_gib")
+    return {"budget_gib": plan["budget_gib"], "predicted_peak_gib": plan["predicted_peak_gib"],
+            "plan": {k: plan[k] for k in ("tokens", "recompute_layers", "offload_activations", "offload_embeddings")},
+            "prediction_error": round(plan["predicted_peak_gib"] / peak - 1, 3) if peak else None}
 
 
 def limit_fields(r: dict[str, Any], tps: float | None) -> dict[str, Any]:

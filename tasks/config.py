@@ -59,6 +59,7 @@ _TITLES = {
     "lr_scheduler_type": "Learning-rate schedule", "num_gpus": "GPUs", "fsdp": "FSDP sharding",
     "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
     "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
+    "recompute_layers": "Recomputed layers",
 }
 _WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
           "fp32": "fp32", "bf16": "bf16"}
@@ -297,25 +298,32 @@ class SpeedArgs(_Section):
         "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere).",
     )
     max_tokens_per_batch: int | None = Field(
-        None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, as many as gpu_memory_budget_gb "
-        "allows, at most 8,192 (an 8B model then trains in about 5.6 GiB; more tokens buy a few per cent for more "
-        "memory); on CPU, per_device_train_batch_size examples per micro-batch.",
+        None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, the memory plan's choice (the "
+        "fastest training that fits gpu_memory_budget_gb, up to mlp_chunk_tokens); on CPU, "
+        "per_device_train_batch_size examples per micro-batch.",
     )
     gpu_memory_budget_gb: float | None = Field(
-        None, gt=0, description="GPU memory (GiB) training may use, model included; sets the packed micro-batch "
-        "size when max_tokens_per_batch is None. None: the GPU's own memory, less 1 GiB for other processes "
-        "(the CUDA context and the allocator's slack are set aside separately).",
+        None, gt=0, description="GPU memory (GiB) training may use, model included. On a GPU with packing, the memory "
+        "plan picks the pack size, the layers to recompute and the offloads that train fastest within it (the log "
+        "and the train_adapter manifest say what it chose and the peak it predicted). None: the GPU's own memory, "
+        "less 1 GiB for other processes.",
+    )
+    recompute_layers: int | None = Field(
+        None, ge=0, description="Decoder layers (the first ones) that recompute their activations in the backward "
+        "pass instead of keeping them (activation checkpointing; the rest keep theirs). None: on a GPU with packing, "
+        "as few as the memory budget allows; elsewhere every layer while train.gradient_checkpointing is on.",
     )
     offload_activations: bool | None = Field(
-        None, description="Keep the checkpointed layer inputs in pinned CPU memory, copied on a side stream (2 "
-        "GiB for 8k tokens of an 8B model). None: on a GPU, with gradient checkpointing, in single-process runs.",
+        None, description="Keep the recomputed layers' inputs in pinned CPU memory, copied on a side stream (2 "
+        "GiB for 8k tokens of an 8B model). None: the memory plan decides on a GPU with packing (single-process "
+        "runs only), else on with gradient checkpointing on a GPU in single-process runs.",
     )
     offload_embeddings: bool | None = Field(
         None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (1 GiB "
         "for a 128k-token vocabulary in bf16; per micro-batch, the ids go to the host and the rows come back), and "
         "where the fused cross-entropy computes the loss, the frozen output layer too (copied to the GPU for the "
-        "loss, then freed: another 1 GiB off the peak). Untied tables only; single-process runs only. None: when "
-        "the activations are offloaded.",
+        "loss, then freed: another 1 GiB off the peak). Untied tables only; single-process runs only. None: the memory "
+        "plan decides on a GPU with packing, else when the activations are offloaded.",
     )
     upcast_frozen_to_fp32: bool = Field(
         False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "

@@ -15,6 +15,7 @@ from typing import Any
 from tasks.config import EMBEDDED_MODEL
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt2", "gpt_neox"]
+TUPLE_LAYER_FAMILIES = ["falcon"]  # decoder layers that return a tuple: the lever tests cover them too
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SPECIAL = {"vocab_size": 1024, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -32,6 +33,11 @@ def family_config(family: str, hidden: int = 64, layers: int = 2, heads: int = 4
     head_dim = hidden // heads
     if family == "gpt2":  # n_inner None = 4 x n_embd; set here to keep the MLP small
         return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=512, **special)
+    if family == "falcon":  # the 7B layout: one layer norm, parallel attention and MLP, one key/value head; its
+        # decoder layer returns a tuple (hidden states, attention weights), not a tensor
+        return tf.FalconConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                               max_position_embeddings=512, **special)
     if family == "gpt_neox":
         return tf.GPTNeoXConfig(**common, rotary_pct=0.25, tie_word_embeddings=False)
     if family == "gemma2":

@@ -17,7 +17,7 @@ import pytest
 
 from tasks.config import EMBEDDED_DATA, PRESETS_DIR, load_config
 from tests.conftest import run_flow
-from tests.families import FAMILIES, build_family_model
+from tests.families import FAMILIES, TUPLE_LAYER_FAMILIES, build_family_model
 
 torch = pytest.importorskip("torch")
 
@@ -106,7 +106,7 @@ def _loss_and_grads(model: Any, batch: dict[str, Any]) -> tuple[float, dict[str,
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TUPLE_LAYER_FAMILIES)
 def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                   ) -> None:
     """Packing, fused cross-entropy, chunked MLP, offloaded checkpointing, host embeddings and fused LoRA, all on
@@ -155,13 +155,14 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
 def test_model_dims_read_each_familys_config_names() -> None:
     import transformers as tf
 
-    from tasks.train_adapter.sizing import model_dims
+    from tasks.train_adapter.memory_plan import model_dims
     from tests.families import family_config
 
     for family in FAMILIES:
-        assert model_dims(family_config(family, hidden=96, layers=3, intermediate=160)) == (96, 160, 3, 1024)
+        assert model_dims(family_config(family, hidden=96, layers=3, intermediate=160))[:4] == (96, 160, 3, 1024)
     assert model_dims(tf.GPT2Config(n_embd=64, n_layer=2, n_inner=None)).intermediate == 256  # None = 4 x n_embd
-    assert model_dims(tf.OPTConfig(hidden_size=64, ffn_dim=100, num_hidden_layers=2)) == (64, 100, 2, 50272)
+    assert model_dims(tf.OPTConfig(hidden_size=64, ffn_dim=100, num_hidden_layers=2))[:4] == (64, 100, 2, 50272)
+    assert model_dims(family_config("llama", hidden=96, heads=4, kv_heads=2)).kv == 48  # grouped-query attention
 
 
 def test_varlen_attention_steps_aside_where_its_kernel_would_change_the_maths() -> None:

@@ -48,10 +48,7 @@ def _offload_function() -> Any:
             else:
                 saved, ctx.copied = hidden.detach(), None
             ctx.saved = saved
-            out = run(hidden)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"offloaded checkpointing needs a layer that returns a tensor, got {type(out)}")
-            return out
+            return run(hidden)
 
         @staticmethod
         def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -115,25 +112,48 @@ def _copy_stream(device: Any) -> Any:
 
 
 def offloaded_checkpoint(function: Any, *args: Any, **_: Any) -> Any:
-    """A drop-in for torch.utils.checkpoint.checkpoint over a decoder layer's forward(hidden_states)."""
+    """A drop-in for torch.utils.checkpoint.checkpoint over a decoder layer's forward(hidden_states).
+
+    A layer that returns a tuple (Falcon's: hidden states and attention weights) trains on its first element; the
+    others come back as the layer made them in the forward pass, outside autograd (no loss reads them)."""
     hidden, *rest = args
-    run = functools.partial(_call_with_rest, function, rest) if rest else function
-    return _offload_function().apply(run, hidden)
+    extras: list[Any] = []
+    run = functools.partial(_call_with_rest, function, rest, extras)
+    out = _offload_function().apply(run, hidden)
+    return (out, *extras[0]) if extras and extras[0] is not None else out
 
 
-def _call_with_rest(function: Any, rest: list[Any], hidden: Any) -> Any:
-    return function(hidden, *rest)
+def _call_with_rest(function: Any, rest: list[Any], extras: list[Any], hidden: Any) -> Any:
+    out = function(hidden, *rest)
+    if isinstance(out, tuple):  # keep the forward's extras once; the backward's recomputation drops its own
+        if not extras:
+            extras.append(tuple(x.detach() if hasattr(x, "detach") else x for x in out[1:]))
+        return out[0]
+    if not extras:
+        extras.append(None)
+    return out
 
 
-def enable_checkpointing(model: Any, offload: bool) -> None:
-    """Checkpoint every decoder layer; with offload, keep the saved inputs in pinned CPU memory."""
+def enable_checkpointing(model: Any, offload: bool, recompute_layers: int | None = None) -> None:
+    """Checkpoint the first `recompute_layers` decoder layers (None: all, 0: none): they recompute their
+    activations in the backward pass, the others keep them. With offload, the checkpointed layers' saved inputs
+    live in pinned CPU memory. The first layers, so that the checkpointed ones are neighbours and each fetches
+    the input of the one below ahead of time."""
     import torch.utils.checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
+    if recompute_layers == 0:
+        if getattr(model, "is_activation_checkpointing", False):  # an earlier Trainer on the same model enabled it
+            model._set_gradient_checkpointing(enable=False)
+        return
     if offload:
         func = offloaded_checkpoint
     else:
         func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = recompute_layers is None or index < recompute_layers
     model.enable_input_require_grads()  # frozen embeddings: the first layer's input must carry a gradient
 
 

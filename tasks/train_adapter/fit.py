@@ -33,7 +33,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
                  ) -> dict[str, Any]:
     """Train here (alone, or as one rank of a data-parallel group); the main process saves the adapter."""
     examples = ParquetExamples(Path(data_dir) / "train.parquet")
-    model, trainer, result, used = _fit_with_backoff(lora, train, speed, examples, out, Path(model_dir))
+    model, trainer, result, used, batches = _fit_with_backoff(lora, train, speed, examples, out, Path(model_dir))
     throughput = progress(trainer).summary()  # every rank takes part: the figures are gathered over all
     if trainer.is_fsdp_enabled:  # every rank sends its shard; rank 0 writes
         save_sharded_adapter(trainer.model, out / "adapter")
@@ -43,7 +43,8 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         (out / "adapter" / "README.md").unlink(missing_ok=True)  # peft's empty card; export writes ours
         (out / "adapter" / "training_args.bin").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {**throughput, **outcome(trainer, model, result, len(examples), used)}
+    return {**throughput, **outcome(trainer, model, result, len(examples), used),
+            "memory_plan": batches.memory_plan}
 
 
 def outcome(trainer: Any, model: Any, result: Any, examples: int, used: TrainArgs) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def progress(trainer: Any) -> Any:
 
 
 def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, examples: ParquetExamples, out: Path,
-                      model_dir: Path) -> tuple[Any, Any, Any, TrainArgs]:
+                      model_dir: Path) -> tuple[Any, Any, Any, TrainArgs, plan.MicroBatches]:
     """Train from the latest checkpoint; on CUDA out-of-memory, retry with a smaller micro-batch."""
     import torch
 
@@ -76,7 +77,8 @@ def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, exampl
         if resume is not None:
             logger().info("train_adapter: resuming from %s", resume.name)
         try:
-            return model, trainer, trainer.train(resume_from_checkpoint=str(resume) if resume else None), train
+            result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+            return model, trainer, result, train, batches
         except torch.OutOfMemoryError as exc:
             train, speed = smaller_micro_batch(train, speed, batches, exc)
             del model, trainer
@@ -87,9 +89,10 @@ def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, exampl
 def smaller_micro_batch(train: TrainArgs, speed: SpeedArgs, batches: plan.MicroBatches, exc: BaseException
                         ) -> tuple[TrainArgs, SpeedArgs]:
     """The settings to retry with after running out of memory with `batches`: packs of half the tokens, or half
-    the micro-batch (or less), with proportionally more accumulation, so an optimizer step sees about as much."""
-    if batches.max_tokens_per_batch:  # packs sized in tokens
-        return plan.smaller_packs(train, speed, batches.max_tokens_per_batch, exc)
+    the micro-batch (or less), with proportionally more accumulation, so an optimizer step sees about as much; where
+    the memory plan chose, its choice for a smaller budget."""
+    if batches.max_tokens_per_batch or batches.memory_plan:  # packs sized in tokens
+        return plan.smaller_packs(train, speed, batches, exc)
     batch, accum = train.per_device_train_batch_size, train.gradient_accumulation_steps
     if batch == 1:
         raise UserError(

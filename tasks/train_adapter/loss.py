@@ -156,7 +156,7 @@ def offload_output_layer(causal_lm: Any) -> bool:
     head = causal_lm.get_output_embeddings()
     if isinstance(head, _host_linear_type()):
         return True
-    reason = _output_layer_offload_unsupported(causal_lm)
+    reason = output_layer_offload_unsupported(causal_lm)
     if reason:
         logger().info("train_adapter: output layer offload steps aside: %s", reason)
         return False
@@ -164,7 +164,7 @@ def offload_output_layer(causal_lm: Any) -> bool:
     return True
 
 
-def _output_layer_offload_unsupported(causal_lm: Any) -> str | None:
+def output_layer_offload_unsupported(causal_lm: Any) -> str | None:
     """Why the output layer cannot move to CPU memory, or None."""
     import torch
 

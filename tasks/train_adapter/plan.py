@@ -1,7 +1,8 @@
 """The training plan of train_adapter: which speed and memory levers apply on this device, and the micro-batches.
 
-Each lever lives in its own module (attention, loss, checkpointing, mlp, liger, sizing, fused_lora) and is a
-TrainArgs option (see its descriptions). Everything here also runs on CPU, where the GPU-only parts step aside,
+Each lever lives in its own module (attention, loss, checkpointing, mlp, liger, fused_lora) and is a SpeedArgs
+option (see its descriptions); memory_plan.py chooses, for a GPU memory budget, the pack size, the layers that
+recompute their activations and the offloads. Everything here also runs on CPU, where the GPU-only parts step aside,
 so the CPU tests cover it.
 """
 
@@ -15,20 +16,18 @@ from tasks.errors import UserError
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
 from tasks.train_adapter.attention import use_packed_attention
-from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
-from tasks.train_adapter.loss import fused_loss_unsupported, offload_output_layer, use_fused_loss
-from tasks.train_adapter.mlp import tile_mlp
+from tasks.train_adapter.loss import (
+    fused_loss_unsupported,
+    offload_output_layer,
+    output_layer_offload_unsupported,
+    use_fused_loss,
+)
+from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, model_dims, smallest_peak_gib
+from tasks.train_adapter.mlp import decoder_layers, tile_mlp
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
-from tasks.train_adapter.sizing import micro_batch_tokens
-
-# Tokens per packed micro-batch when none is set. Measured on an H200 with the 8B shape and the defaults (layer inputs,
-# embeddings and output layer in host memory; bench/results/2026-12-01-h200-issue15-packs.json, one run): 6,144 tokens
-# 9,144 tokens/s at 5.27 GiB peak, 8,192 9,394 at 5.57 GiB, 12,288 9,856 at 6.39 GiB. 8,192 keeps most of the gain
-# with 0.8 GiB to spare under issue 15's 6.4 GiB cap (earlier, with the output layer on the GPU: 6,144
-# tokens at 6.15 GiB, 8,192 at 6.55 GiB).
-AUTO_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -41,12 +40,13 @@ class MicroBatches:
     max_tokens_per_batch: int | None  # tokens per packed micro-batch; None: packs of per_device_train_batch_size
     packs: int | None = None  # packed micro-batches per epoch
     offload_output_layer: bool = False  # the frozen output layer in host memory (with offload_embeddings)
+    recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
+    memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:
-    """speed.gpu_memory_budget_gb, or the GPU's memory less 1 GiB. The budget only binds when the model itself
-    is large: an 8B model's packs stop at AUTO_MAX_TOKENS long before a 16 GB card is full, while a 70B model
-    (~37 GiB in 4 bits) needs to see the card it is on."""
+    """speed.gpu_memory_budget_gb, or the GPU's memory less 1 GiB (the CUDA context and other processes' share):
+    the memory plan spends what the user gives it."""
     import torch
 
     if speed.gpu_memory_budget_gb is not None:
@@ -145,10 +145,18 @@ def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
     return model
 
 
-def smaller_packs(train: TrainArgs, speed: SpeedArgs, tokens: int, exc: BaseException
+def smaller_packs(train: TrainArgs, speed: SpeedArgs, batches: MicroBatches, exc: BaseException
                   ) -> tuple[TrainArgs, SpeedArgs]:
-    """After running out of memory with packs of `tokens`: half the tokens and twice the accumulation, about the
-    same tokens per optimizer step."""
+    """After running out of memory with `batches`: where the memory plan chose, the same plan's choice for a budget
+    15% under the peak it predicted (it fails with the numbers when nothing fits); with packs of a pinned size, half
+    the tokens and twice the accumulation, about the same tokens per optimizer step."""
+    if batches.memory_plan is not None and speed.max_tokens_per_batch is None:
+        budget = round(0.85 * batches.memory_plan["predicted_peak_gib"], 2)
+        logger().warning("train_adapter: out of memory with the plan predicted to peak at %.2f GiB; planning again "
+                         "for %.2f GiB and retrying from the latest checkpoint", batches.memory_plan[
+                             "predicted_peak_gib"], budget)
+        return train, speed.model_copy(update={"gpu_memory_budget_gb": budget})
+    tokens = batches.max_tokens_per_batch or 0
     if tokens <= 512:
         raise UserError(
             f"train_adapter ran out of GPU memory with packed micro-batches of {tokens} tokens. Lower "
@@ -165,30 +173,70 @@ def smaller_packs(train: TrainArgs, speed: SpeedArgs, tokens: int, exc: BaseExce
 
 def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, speed: SpeedArgs
                      ) -> tuple[Any, Any, MicroBatches]:
-    """The Trainer's dataset and collator, after choosing the packed micro-batch size and activation offload for
-    this device, and enabling checkpointing. Returns them with the choice made."""
+    """The Trainer's dataset and collator, after choosing (on a GPU, with packing: through the memory plan) the
+    packed micro-batch size, the layers to recompute and the offloads, and applying them. Returns them with the
+    choice made."""
     import torch
 
     lengths = [len(ids) for ids in examples.input_ids]
     longest = max(lengths, default=1)
-    cuda = torch.cuda.is_available()
-    # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its own
-    # backward) is not measured on GPUs
-    offload = train.gradient_checkpointing and (speed.offload_activations if speed.offload_activations is not None
-                                                 else cuda and not several_processes())
-    wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
-    embeddings = bool(wanted) and offload_embeddings(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = len(decoder_layers(base)) or model_dims(model.config).layers
+    memory = memory_plan(model, base, train, speed, longest) if torch.cuda.is_available() and speed.packing else None
+    if memory is not None:
+        logger().info("train_adapter: %s", memory.describe())
+        recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
+                                              memory.offload_embeddings, memory.tokens)
+    else:  # CPU, or unpacked: checkpointing recomputes every layer (or speed.recompute_layers), as always
+        recompute = 0 if not train.gradient_checkpointing else (
+            speed.recompute_layers if speed.recompute_layers is not None else layers)
+        # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its
+        # own backward) is not measured on GPUs
+        offload = bool(recompute) and (speed.offload_activations if speed.offload_activations is not None
+                                       else torch.cuda.is_available() and not several_processes())
+        wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+        tokens = speed.max_tokens_per_batch
+    embeddings = bool(wanted) and offload_embeddings(model)
     head = bool(wanted) and offload_output_layer(base)
-    tokens = speed.max_tokens_per_batch
-    if cuda and speed.packing and tokens is None:
-        budget = micro_batch_tokens(gpu_budget_gb(speed), torch.cuda.memory_allocated(), model.config, offload, 0)
-        tokens = max(min(budget, AUTO_MAX_TOKENS), min(longest, 1024))
-    if train.gradient_checkpointing:
-        enable_checkpointing(base, offload)
+    enable_checkpointing(base, offload, recompute)
+    plan_fields = {"recompute_layers": recompute if train.gradient_checkpointing or recompute else None,
+                   "memory_plan": memory.as_dict() if memory is not None else None}
     if not speed.packing:
-        batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head)
-        return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=8 if cuda else 1), batches
+        batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head, **plan_fields)
+        multiple = 8 if torch.cuda.is_available() else 1
+        return examples, pad_collator(model.config.pad_token_id or 0, multiple_of=multiple), batches
     per_pack = None if tokens is not None else train.per_device_train_batch_size
     packs = PackedExamples(examples, tokens, per_pack, train.seed)
-    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs), head)
+    return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs), head, **plan_fields)
+
+
+def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longest: int) -> MemoryPlan:
+    """The fastest plan that fits speed.gpu_memory_budget_gb, within what the settings pin; fails with the numbers
+    when even the smallest one does not fit."""
+    import torch
+
+    several = several_processes()  # offloads are single-process only (DDP broadcasts GPU tensors)
+    choices = Choices(
+        tokens=speed.max_tokens_per_batch,
+        recompute_layers=speed.recompute_layers if train.gradient_checkpointing else 0,
+        offload_activations=speed.offload_activations if speed.offload_activations is not None or not several
+        else False,
+        offload_embeddings=speed.offload_embeddings if speed.offload_embeddings is not None or not several
+        else False,
+        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens)
+    emb, head = model.get_input_embeddings(), base.get_output_embeddings()
+    movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
+    head_movable = head is not None and output_layer_offload_unsupported(base) is None and head.weight.is_cuda
+    fixed = Fixed(torch.cuda.memory_allocated(), sum(p.numel() for p in model.parameters() if p.requires_grad),
+                  emb.weight.nbytes if movable else 0, head.weight.nbytes if head_movable else 0)
+    dims, budget = model_dims(model.config), gpu_budget_gb(speed)
+    plan = choose_plan(dims, fixed, budget, choices)
+    if plan is None:
+        raise UserError(
+            f"train_adapter: no memory plan fits the GPU memory budget of {budget:.2f} GiB "
+            f"(speed.gpu_memory_budget_gb): the model and its LoRA weights already take {fixed.allocated / GIB:.2f} "
+            f"GiB, and the smallest plan the settings allow needs about {smallest_peak_gib(dims, fixed, choices):.2f}"
+            f" GiB (the longest example has {longest:,} tokens). Raise speed.gpu_memory_budget_gb, lower "
+            "data.max_seq_length, lora.r or the number of lora.target_modules, or unpin speed.max_tokens_per_batch, "
+            "speed.recompute_layers and the offloads so the plan can use them.")
+    return plan

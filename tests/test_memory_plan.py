@@ -1,0 +1,123 @@
+"""The memory plan (tasks/train_adapter/memory_plan.py): the fastest training that fits the budget, and the same
+maths whichever layers recompute their activations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tasks.config import EMBEDDED_MODEL, SpeedArgs, TrainArgs
+from tasks.errors import UserError
+from tasks.train_adapter.memory_plan import GIB, Choices, Dims, Fixed, choose_plan, predicted_peak, smallest_peak_gib
+
+torch = pytest.importorskip("torch")
+
+# Llama-3.1-8B as bench/bench_train.py builds it: what is allocated when the plan is made (4-bit weights with the
+# bf16 embedding table and output layer, LoRA r=16 on all seven projections) and the two tables' sizes
+LLAMA8 = Dims(hidden=4096, intermediate=14336, layers=32, vocab=128256, kv=1024)
+TABLE = 128256 * 4096 * 2
+FIXED8 = Fixed(allocated=int(5.47 * GIB), trainable_parameters=41_943_040, embedding_bytes=TABLE,
+               output_layer_bytes=TABLE)
+# measured on an H200 (bench/README.md "Issue 24", fused AdamW): (tokens, recomputed layers, their inputs on the
+# host, the tables on the host) -> peak allocated GiB
+MEASURED = {(8192, 32, True, True): 5.84, (16384, 32, False, False): 12.79, (8192, 0, False, False): 43.4,
+            (16384, 0, False, False): 81.2, (16384, 30, False, False): 15.55,
+            # one example each, the MLP in 16k-token chunks
+            (32768, 32, True, True): 8.81, (65536, 32, True, True): 12.37, (32768, 29, True, False): 14.14,
+            (65536, 30, True, True): 15.43}
+
+
+@pytest.mark.parametrize("plan,peak", MEASURED.items())
+def test_the_predicted_peak_is_within_ten_percent_of_the_measured(plan: tuple[int, int, bool, bool], peak: float
+                                                                  ) -> None:
+    predicted = predicted_peak(LLAMA8, FIXED8, *plan, 16384) / GIB
+    assert predicted == pytest.approx(peak, rel=0.10)
+
+
+def test_the_whole_card_buys_no_recomputation_and_large_packs() -> None:
+    plan = choose_plan(LLAMA8, FIXED8, 139.8 - 1, Choices(longest_example=2048, mlp_chunk=16384))
+    assert (plan.tokens, plan.recompute_layers, plan.offload_embeddings) == (16384, 0, False)
+    assert plan.predicted_peak_gib <= (139.8 - 1) * 0.95
+
+
+@pytest.mark.parametrize("budget", [6.4, 12.0, 16.0, 24.0, 48.0, 80.0])
+def test_every_budget_gets_a_plan_that_fits_it_and_more_memory_never_trains_slower(budget: float) -> None:
+    choices = Choices(longest_example=2048, mlp_chunk=16384)
+    plan = choose_plan(LLAMA8, FIXED8, budget, choices)
+    assert plan is not None and plan.predicted_peak_gib <= budget
+    more = choose_plan(LLAMA8, FIXED8, budget * 1.5, choices)
+    assert more.relative_time <= plan.relative_time
+    if budget <= 24:  # a small card: some layers must recompute, and their inputs and the tables go to the host
+        assert plan.recompute_layers > 0
+
+
+def test_a_small_budget_keeps_the_defaults_pack_and_a_budget_below_the_smallest_plan_gets_none() -> None:
+    plan = choose_plan(LLAMA8, FIXED8, 6.4, Choices(longest_example=2048, mlp_chunk=16384))
+    assert plan.tokens == 8192 and plan.offload_activations and plan.offload_embeddings
+    assert plan.recompute_layers >= 31  # one layer keeps its activations in the room the backward needs anyway
+    tight = Choices(longest_example=2048)
+    assert choose_plan(LLAMA8, FIXED8, 4.0, tight) is None
+    assert smallest_peak_gib(LLAMA8, FIXED8, tight) > 4.0
+
+
+def test_pinned_settings_narrow_the_plan_instead_of_being_overridden() -> None:
+    pinned = Choices(tokens=4096, recompute_layers=32, offload_activations=False, offload_embeddings=False)
+    plan = choose_plan(LLAMA8, FIXED8, 138.0, pinned)
+    assert (plan.tokens, plan.recompute_layers, plan.offload_activations, plan.offload_embeddings) == (
+        4096, 32, False, False)
+    assert choose_plan(LLAMA8, FIXED8, 138.0, Choices(longest_example=40000)).tokens == 40000  # holds the longest
+
+
+def _tiny() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_recomputing_some_layers_gives_the_gradients_of_recomputing_none(offload: bool) -> None:
+    """Selective recomputation: the first layer recomputes its activations (offloaded or not), the rest keep
+    theirs; the loss and LoRA gradients equal those of plain training, and only that layer is checkpointed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from tasks.train_adapter.checkpointing import enable_checkpointing
+
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (0, 1):
+        base = _tiny()
+        enable_checkpointing(base, offload=offload, recompute_layers=recompute)
+        flags = [m.gradient_checkpointing for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        assert flags == [i < recompute for i in range(base.config.num_hidden_layers)]
+        torch.manual_seed(1)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                init_lora_weights="gaussian")).train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, plain), (selective_loss, selective) = grads
+    assert selective_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in plain.items():
+        torch.testing.assert_close(selective[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU run sees when the model alone nearly fills the budget (the allocation the plan reads is set to
+    what a 2 GiB model would have allocated; everything else is the real tiny model on CPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks.train_adapter import plan
+
+    model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 2 * GIB)
+    speed = SpeedArgs(gpu_memory_budget_gb=2.0)
+    with pytest.raises(UserError, match=r"no memory plan fits the GPU memory budget of 2\.00 GiB .* already take "
+                                        r"2\.00 GiB, and the smallest plan the settings allow needs about 2\.\d\d GiB"):
+        plan.memory_plan(model, model.get_base_model(), TrainArgs(), speed, longest=100)
+    chosen = plan.memory_plan(model, model.get_base_model(), TrainArgs(), SpeedArgs(gpu_memory_budget_gb=8.0), 100)
+    assert chosen.recompute_layers == 0 and chosen.tokens == 16384  # a tiny model: everything fits

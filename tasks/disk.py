@@ -16,6 +16,7 @@ from tasks.errors import UserError
 # what libraries say when a write hit a full disk without raising OSError: safetensors' SafetensorError
 # ("I/O error: No space left on device (os error 28)"), torch.save's RuntimeError ("file write failed")
 _FULL_DISK_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "file write failed")
+NEARLY_FULL = 1 << 20  # bytes free below which a failed write is taken for a full disk
 HEADROOM = 1.1  # filesystem blocks, metadata and the manifest: ask for a tenth more than the files' bytes
 
 
@@ -24,8 +25,11 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(_existing(path)).free
 
 
-def is_out_of_space(exc: BaseException) -> bool:
-    """Whether exc (or an exception it was raised from) is a write that found the disk full."""
+def is_out_of_space(exc: BaseException, folder: Path | None = None) -> bool:
+    """Whether exc (or an exception it was raised from) is a write that found the disk full: one that says so,
+    or, as torch.save's zip writer does ("unexpected pos 576 vs 534"), an error while folder's disk is full."""
+    if folder is not None and isinstance(exc, (OSError, RuntimeError)) and free_bytes(folder) < NEARLY_FULL:
+        return True
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -418,7 +418,7 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
         try:
             yield run
         except Exception as exc:
-            if not disk.is_out_of_space(exc):
+            if not disk.is_out_of_space(exc, folder):
                 raise
             _clear(folder, keep)  # the partial outputs: free what they held
             raise disk.out_of_space(spec.stage, spec.runs_dir, folder) from exc

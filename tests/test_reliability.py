@@ -299,3 +299,23 @@ def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path
     train = last_json(out)["stages"]["train_adapter"]
     assert train["status"] == "resumed" and train["resumed_from_step"] >= 2
     assert json.loads((Path(train["dir"]) / MANIFEST).read_text())["metrics"]["optimizer_steps"] == steps
+
+
+def test_libraries_full_disk_errors_are_recognised(small_disk: Path) -> None:
+    """safetensors and torch.save report a full disk in their own words (torch's zip writer: "unexpected pos"),
+    not as OSError(ENOSPC)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tasks.disk import is_out_of_space
+
+    _fill(small_disk, 100_000)
+    tensors = {"w": torch.zeros(1_000_000)}  # 4 MB
+    for write in (lambda: save_file(tensors, small_disk / "w.safetensors"),
+                  lambda: torch.save(tensors, small_disk / "w.pt"),
+                  lambda: (small_disk / "w.bin").write_bytes(b"\0" * 4_000_000)):
+        with pytest.raises(Exception) as info:  # noqa: PT011 - each library's own type
+            write()
+        assert is_out_of_space(info.value, small_disk), repr(info.value)
+    assert not is_out_of_space(RuntimeError("CUDA out of memory"), Path.home())
+    assert not is_out_of_space(FileNotFoundError(2, "x"))

@@ -9,8 +9,9 @@
     qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
-User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
-with status 2; they are never retried and never print a traceback.
+User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
+exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run as Crashed, with its
+hooks, and exits 143.
 """
 
 from __future__ import annotations

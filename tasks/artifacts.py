@@ -235,7 +235,7 @@ def _next_step(message: str, flow_run_id: Any) -> str:
 
 
 # Prefect's messages for parameters that do not validate against RunConfig
-_CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError", "ValidationError")
+_CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError")
 
 
 def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:

@@ -139,8 +139,9 @@ def test_prepare_model_checks_the_space_it_needs(small_disk: Path) -> None:
     assert (Path(prepare_model.fn(ModelArgs(), runs)) / MANIFEST).is_file()
 
 
+@pytest.mark.slow  # two short trainings
 def test_checkpoint_on_a_full_disk_is_one_paragraph_and_resumes(small_disk: Path, stages: dict[str, Any]) -> None:
-    runs, train = small_disk / "runs", TrainArgs(max_steps=4, save_steps=1, logging_steps=1)
+    runs, train = small_disk / "runs", TrainArgs(max_steps=3, save_steps=1, logging_steps=1)
     lora = LoraArgs(r=32, lora_alpha=32)  # checkpoints of about 2 MB: the second does not fit
     filler = _fill(small_disk, 3_000_000)
     with pytest.raises(UserError) as info:
@@ -152,7 +153,7 @@ def test_checkpoint_on_a_full_disk_is_one_paragraph_and_resumes(small_disk: Path
     filler.unlink()
     folder = Path(train_adapter.fn(lora, train, SpeedArgs(), runs, stages["data"], stages["model"]))
     made = json.loads((folder / MANIFEST).read_text())
-    assert made["resumed_from_step"] >= 1 and made["metrics"]["optimizer_steps"] == 4
+    assert made["resumed_from_step"] == 1 and made["metrics"]["optimizer_steps"] == 3
 
 
 # ---- what a person sees -----------------------------------------------------------------------------------------

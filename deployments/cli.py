@@ -10,8 +10,9 @@
     qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
-User errors (bad config, missing files, bad data, unknown module names) print one paragraph and exit
-with status 2; they are never retried and never print a traceback.
+User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
+exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run as Crashed, with its
+hooks, and exits 143.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import reprlib
+import signal
 import sys
 import textwrap
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(args)
     except Exception as exc:  # noqa: BLE001 - every config problem is the user's to fix
         return _user_error(_config_message(exc))
+    if args.command in ("run", "start", "serve") and (too_large := _parameters_too_large(config)):
+        return _user_error(too_large)
     if args.command == "validate":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -151,6 +157,20 @@ def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
     return 0 if watch(run.id) == "COMPLETED" else 1
 
 
+def _parameters_too_large(config: Any) -> str | None:
+    """Why the config cannot be a flow run's parameters (the server refuses them over its size limit), or None."""
+    from prefect.settings import get_current_settings
+
+    limit = get_current_settings().server.api.max_parameter_size  # 0: no limit
+    # measured as the server measures it (compact JSON), before a run or a server starts
+    size = len(json.dumps({"config": config.model_dump(mode="json")}, separators=(",", ":")).encode())
+    if not limit or size <= limit:
+        return None
+    return (f"the config is {size:,} bytes as flow-run parameters, more than the {limit:,} bytes Prefect's server "
+            "accepts (PREFECT_SERVER_API_MAX_PARAMETER_SIZE); nothing was started. Shorten the largest values (a "
+            "long data.column_mapping or list): put them in the data itself, or raise that limit on the server.")
+
+
 def _config(args: argparse.Namespace) -> Any:
     from tasks.config import PRESETS_DIR, load_config
 
@@ -167,20 +187,32 @@ def _config(args: argparse.Namespace) -> Any:
     return load_config(path, args.overrides)
 
 
+_SHOWN_PROBLEMS = 10  # a config with thousands of bad entries is one mistake repeated: show a few
+_QUOTED = reprlib.Repr()  # keyword arguments need Python 3.12
+_QUOTED.maxstring = _QUOTED.maxother = 60
+_QUOTED.maxlevel, _QUOTED.maxlist, _QUOTED.maxdict = 2, 4, 4
+
+
 def _config_message(exc: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
+        # a value is quoted by a short prefix only: wrapping a 50 MB value into the paragraph took minutes
+        errors = exc.errors(include_url=False)
         problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                    + (f" (got {e['input']!r})" if e["type"] != "missing" else "") for e in exc.errors()]
-        return (f"Invalid configuration, {len(problems)} problem(s): " + "; ".join(problems)
+                    + (f" (got {_QUOTED.repr(e['input'])})" if e["type"] != "missing" else "")
+                    for e in errors[:_SHOWN_PROBLEMS]]
+        more = f"; and {len(errors) - _SHOWN_PROBLEMS:,} more" if len(errors) > _SHOWN_PROBLEMS else ""
+        return (f"Invalid configuration, {len(errors)} problem(s): " + "; ".join(problems) + more
                 + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
-    return f"Invalid configuration: {exc}."
+    text = str(exc)
+    return f"Invalid configuration: {text if len(text) <= 2000 else text[:2000] + ' ...'}."
 
 
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
+    from deployments.temporary_server import temporary_server
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
@@ -188,13 +220,22 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    signal.signal(signal.SIGTERM, _terminated)  # Prefect's flow engine records the crash first, then calls it
     if uses_server():
         ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
-        summary = _start(qlora_pipeline, config)
+        startup = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+        with nullcontext() if uses_server() else temporary_server(startup):
+            summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
+    except Terminated as exc:
+        print("\n" + textwrap.fill(
+            f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
+            "artifact says during which stage). Finished stages keep their folders; run the same command again "
+            "to resume (training from its latest complete checkpoint).", width=100), file=sys.stderr)
+        return exc.code
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -210,6 +251,14 @@ def _run(config: Any, as_json: bool) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+class Terminated(SystemExit):
+    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill): leave through every `finally`, exit 128 + 15."""
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(128 + signum)
 
 
 def _start(flow: Any, config: Any) -> Any:
@@ -294,18 +343,26 @@ def _print_sweep(summary: dict[str, Any]) -> None:
 
 
 def _user_error(message: str) -> int:
-    print("\n" + textwrap.fill(f"error: {message}", width=100), file=sys.stderr)
+    # paths stay whole, so they can be copied from the terminal
+    print("\n" + textwrap.fill(f"error: {message}", width=100, break_on_hyphens=False, break_long_words=False),
+          file=sys.stderr)
     return USER_ERROR_EXIT
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
-        print(f"{stage:18} {info['status']:9} {info['dir']}")
+        resumed = info["status"] == "resumed" and "resumed_from_step" in info
+        status = info["status"] + (f" from step {info['resumed_from_step']}" if resumed else "")
+        print(f"{stage:18} {status:9} {info['dir']}")
     m = summary["metrics"]
     print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
           f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "
           f"{m['tuned_perplexity']:.2f}")
+    if m.get("tuned_reward_accuracy") is not None:  # dpo/kto: what the promotion gate compares
+        print(f"reward accuracy ({m['eval_pairs']} held-out pairs): base {m['base_reward_accuracy']:.3f} -> tuned "
+              f"{m['tuned_reward_accuracy']:.3f}; reward margin {m['base_reward_margin']:.3f} -> "
+              f"{m['tuned_reward_margin']:.3f}")
     if m.get("tuned_rouge_l") is not None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+FAILURE_ARTIFACT = "run-failure"  # tasks/artifacts.py failure_summary
+FAILURE_WAIT_S = 60.0  # how long after a failed or crashed state to wait for it
+_ESCAPED = re.compile(r"\\([\\`*_{}\[\]<>#|~])")  # tasks/artifacts.py escapes these for the UI's markdown
 _INLINE_IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)\)")
 
 
@@ -32,13 +35,14 @@ def watch(flow_run_id: Any, out: Callable[[str], None] = print, poll_seconds: fl
     from prefect.client.schemas.sorting import ArtifactSort
 
     seen: dict[Any, Any] = {}
-    last_state = None
+    last_state, ended = None, None
     with get_client(sync_client=True) as client:
         while True:
             run = client.read_flow_run(flow_run_id)
             artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
                 flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])), sort=ArtifactSort.CREATED_DESC)
-            for artifact in reversed(artifacts):
+            # ours all have a key; those without are Prefect's result records (storage keys, not for people)
+            for artifact in reversed([a for a in artifacts if a.key]):
                 if seen.get(artifact.id) != (artifact.data, artifact.description):
                     seen[artifact.id] = (artifact.data, artifact.description)
                     out(render(artifact))
@@ -47,7 +51,13 @@ def watch(flow_run_id: Any, out: Callable[[str], None] = print, poll_seconds: fl
                 last_state = (state.name, state.message)
                 out(f"state: {state.name}" + (f": {state.message}" if state.message else ""))
             if state is not None and state.type.value in FINAL and state.name != "AwaitingRetry":
-                return state.type.value
+                ended = ended or time.monotonic()
+                # a failed or crashed run's reason comes a few seconds later, from its hook (the worker's, after a
+                # crash): wait for it rather than leave a terminal user without it
+                explained = any(a.key == FAILURE_ARTIFACT for a in artifacts)
+                if state.type.value in ("COMPLETED", "CANCELLED") or explained or \
+                        time.monotonic() - ended > FAILURE_WAIT_S:
+                    return state.type.value
             time.sleep(poll_seconds)
 
 
@@ -62,15 +72,19 @@ def render(artifact: Any) -> str:
     if artifact.type == "markdown":
         text = _INLINE_IMAGE.sub(lambda m: f"[image: {m.group(1)}, {len(m.group(2)) * 3 // 4 // 1024} KiB PNG; "
                                  "see the run in the UI]", str(artifact.data))
-        return f"{head}\n{text.strip()}"
+        return f"{head}\n{_unescape(text).strip()}"
     return f"{head}\n{artifact.data}"
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPED.sub(r"\1", text)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(empty)"
     columns = list(rows[0])
-    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    cells = [[_unescape(str(row.get(c, ""))) for c in columns] for row in rows]
     widths = [min(40, max(len(c), *(len(r[i]) for r in cells))) for i, c in enumerate(columns)]
     line = lambda values: "  ".join(v[:w].ljust(w) for v, w in zip(values, widths, strict=True))  # noqa: E731
     return "\n".join([line(columns), *(line(r) for r in cells)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,13 @@ def stage_summary(manifest: dict[str, Any]) -> None:
         return
     from prefect.artifacts import create_markdown_artifact
 
-    upstream = "".join(f"- {name} `{u['key']}`\n" for name, u in manifest["upstream"].items()) or "- none\n"
+    upstream = "".join(f"- {name} `{u['key']}`\n" for name, u in manifest["upstream"].items()) + _sources(manifest)
+    upstream = upstream or "- nothing recorded\n"
     written = "".join(f"| `{name}` | {size:,} |\n" for name, size in manifest["outputs"].items())
     metrics = "".join(f"| {k} | {_fmt(v)} |\n" for k, v in manifest["metrics"].items())
     markdown = (
-        f"## {manifest['stage']} `{manifest['key']}`\n\nTook {manifest['seconds']:.1f} s.\n\n"
+        f"## {manifest['stage']} `{manifest['key']}`\n\n{_took(manifest)}\n\n"
         f"### Read\n{upstream}\nSettings: `{json.dumps(manifest['params'])}`\n\n"
-        f"Content fingerprints: `{json.dumps(manifest['fingerprint'])}`\n\n"
         f"### Wrote\n| file | bytes |\n|---|---|\n{written}\n"
         + (f"### Metrics\n| metric | value |\n|---|---|\n{metrics}" if metrics else "")
     )
@@ -37,13 +38,50 @@ def stage_summary(manifest: dict[str, Any]) -> None:
                              description=f"{manifest['stage']}: inputs, outputs, timing")
 
 
+def _took(manifest: dict[str, Any]) -> str:
+    seconds, waited = manifest["seconds"], manifest["metrics"].get("gpu_wait_seconds") or 0
+    if waited < 1:
+        return f"Took {seconds:.1f} s."
+    return (f"Took {seconds:.1f} s: {waited:.1f} s waiting for the GPU slot (other runs' training), then "
+            f"{seconds - waited:.1f} s of its own work.")
+
+
+def _sources(manifest: dict[str, Any]) -> str:
+    """What a stage read besides upstream stages: the files and hub revisions its fingerprints hold."""
+    named = {f"{section}.{field}": value for section, fields in manifest["params"].items() if isinstance(fields, dict)
+             for field, value in fields.items() if field in _SOURCE_FIELDS and value}
+    lines = [f"- `{field}`: `{value}`\n" for field, value in named.items()]
+    lines += [f"- {name.removesuffix('_sha256').replace('_', ' ')}: content `{str(digest)[:16]}`\n"
+              for name, digest in manifest["fingerprint"].items()]
+    return "".join(lines)
+
+
+_SOURCE_FIELDS = ("source", "base_model", "init_adapter")  # config fields that name what a stage reads
+
+
 def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    """A table artifact (eval metrics, samples)."""
+    """A table artifact (eval metrics, samples); text cells are shown as text, one line, at most CELL_CHARS."""
     if not _in_run():
         return
     from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(table=rows, key=key, description=description)
+    cells = [{k: _cell(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
+    create_table_artifact(table=cells, key=key, description=description)
+
+
+CELL_CHARS = 300  # the UI's table does not wrap long cells; whole samples are in the stage folder's files
+# the UI renders table cells and markdown as markdown: a prompt's "### Instruction:" became a heading, and
+# "<stage>" an HTML tag that disappears
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]<>#|~])")
+
+
+def _escape(text: str) -> str:
+    return _MARKDOWN.sub(r"\\\1", text)
+
+
+def _cell(text: str) -> str:
+    short = text if len(text) <= CELL_CHARS else text[:CELL_CHARS] + " ..."
+    return _escape(" ⏎ ".join(line.strip() for line in short.splitlines() if line.strip()))
 
 
 def _fmt(value: Any) -> str:
@@ -93,6 +131,28 @@ class TrainingProgress:
             return
         with get_client(sync_client=True) as client:
             client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent, description=text))
+
+
+def run_completed(train_status: str, steps: int | None) -> None:
+    """At the end of a successful run: a train-progress bar also when training was cached (one per run, as the
+    README says), and a run-failure card of an earlier attempt of this run (before a Retry) marked resolved."""
+    if not _in_run():
+        return
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
+            key=ArtifactFilterKey(any_=["run-failure", "train-progress"])))
+        for card in (a for a in found if a.key == "run-failure" and not str(a.data).startswith("## Resolved")):
+            client.update_artifact(card.id, ArtifactUpdate(
+                data=f"## Resolved: the run completed on a later attempt\n\nThe earlier attempt's card:\n\n{card.data}",
+                description="Resolved: the run completed after a retry"))
+    if train_status == "cached" and not any(a.key == "train-progress" for a in found):
+        _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
 
 
 def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training loss per optimizer step"
@@ -150,14 +210,32 @@ def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
         verb = "crashed" if state.is_crashed() else "failed"
         during = f" during {', '.join(interrupted)}" if interrupted else ""
         markdown = (
-            f"## qlora-pipeline run `{flow_run.name}` {verb}{during}\n\n{message}\n\n"
-            "Stages that finished keep their folders (runs_dir/<stage>/<key>/, each with manifest.json) and are "
-            "reused. Fix the cause (the message above says what to change), then press **Retry** on this run, run "
-            f"`prefect flow-run retry {flow_run.id}`, or start the same config again: training resumes from "
-            "its latest checkpoint.\n"
+            f"## qlora-pipeline run `{flow_run.name}` {verb}{during}\n\n{_escape(message)}\n\n"
+            "Stages that finished keep their folders (`runs_dir/<stage>/<key>/`, each with manifest.json) and are "
+            f"reused. {_next_step(message, flow_run.id)}\n"
         )
         client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", data=markdown,
                                               description=f"Why this run {verb}", flow_run_id=flow_run.id))
+
+
+def _next_step(message: str, flow_run_id: Any) -> str:
+    """What to do now. Retry runs the same parameters again: right after a crash or once bad data is fixed in
+    place, useless for a mistake in the configuration."""
+    retry = (f"press **Retry** on this run (or run `prefect flow-run retry {flow_run_id}`), or start the same config "
+             "again: finished stages are reused and training resumes from its latest checkpoint.")
+    new_run = ("start a new run with the field changed: **Run** on the deployment (its form), or `qlora-pipeline "
+               "start DEPLOYMENT --set SECTION.FIELD=VALUE`; Retry would run the same parameters and fail the same "
+               "way.")
+    if any(text in message for text in _CONFIG_REFUSED):
+        return f"The run's configuration was refused: {new_run}"
+    if "UserError" in message:
+        return (f"This is a mistake in the input (the message names it and the fix). If it names a config field, "
+                f"{new_run} If it names the data or another file, fix that, then {retry}")
+    return f"Fix the cause if there is one (the message says what happened), then {retry}"
+
+
+# Prefect's messages for parameters that do not validate against RunConfig
+_CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError")
 
 
 def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:

@@ -80,9 +80,34 @@ def _show_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> No
                 schema["properties"][name]["default"] = value
 
 
+def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Shape the JSON schema for the Prefect UI form, whatever the fields' types are.
+
+    `X | None` becomes plain X: the form showed a type toggle whose None side reads 'Property is type "None"'.
+    An empty input is left out of the parameters, so the field's default (None) applies; the null default is
+    dropped from the schema too, so Prefect's parameter validation still accepts an explicit null (it allows
+    null for an optional property without a default). A `const` (a one-value Literal such as 'all-linear')
+    becomes a one-value enum: the form showed "is a const and cannot be changed" until the type was switched.
+    """
+    _show_factory_defaults(schema, model)
+    for prop in schema.get("properties", {}).values():
+        branches = prop.get("anyOf", [])
+        kept = [b for b in branches if b.get("type") != "null"]
+        if branches and len(kept) == 1 and len(kept) < len(branches):
+            del prop["anyOf"]
+            prop.update({k: v for k, v in kept[0].items() if k not in prop})
+            if prop.get("default", 0) is None:
+                del prop["default"]
+            if "enum" in prop:  # the null a full config dump holds must still validate
+                prop["enum"] = [*prop["enum"], None]
+        for part in [prop, *prop.get("anyOf", [])]:
+            if "const" in part:
+                part["enum"] = [part.pop("const")]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_title,
-                              json_schema_extra=_show_factory_defaults)
+                              json_schema_extra=_form_friendly)
 
 
 class DataArgs(_Section):
@@ -239,9 +264,10 @@ class TrainArgs(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"] | None = (
         Field(None, description="Optimizer. None: adamw_torch_fused (torch's fused AdamW) on a GPU, adamw_torch with "
-              "speed.fsdp, paged_adamw_8bit (bitsandbytes' paged 8-bit AdamW) elsewhere. On an H200 the fused one "
-              "trains an 8B model 11% faster than paged_adamw_8bit for 0.28 GiB more (fp32 state of the LoRA "
-              "weights): bitsandbytes' optimizers wait for the GPU after each LoRA tensor (448 waits per step).")
+              "speed.fsdp, adamw_8bit (bitsandbytes' 8-bit AdamW; its paged variant falls back to it there) "
+              "elsewhere. On an H200 the fused one trains an 8B model 11% faster than paged_adamw_8bit for 0.28 "
+              "GiB more (fp32 state of the LoRA weights): bitsandbytes' optimizers wait for the GPU after each "
+              "LoRA tensor (448 waits per step).")
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     bf16: bool | None = Field(None, description="bf16 mixed precision; None = where the device supports it.")
@@ -355,7 +381,7 @@ class ExportArgs(_Section):
 
     name: str = Field(
         "adapter", max_length=100,
-        description="Registry name: versions go to runs_dir/exports/<name>/vNNNN/, the champion to champion.json.",
+        description="Registry name: versions go to `runs_dir/exports/<name>/vNNNN/`, the champion to champion.json.",
     )
     promotion_margin: float = Field(
         0.01, ge=0.0, lt=1.0, description="Promote a new version to champion only if its tuned eval loss is below "
@@ -497,11 +523,38 @@ class RunConfig(_Section):
         return self
 
 
+# A config is a few KiB; Prefect stores it as the flow run's parameters, which its server caps at 524,288 bytes
+# (server.api.max_parameter_size), so a larger file or --set value cannot run anyway: refuse it before parsing
+# (a 50 MB value took minutes to be refused, a 1.1 M-entry column_mapping hours of the server's time).
+MAX_CONFIG_BYTES = 524_288
+
+
+def _check_size(path: Path | None, overrides: list[str]) -> None:
+    sizes = ([(str(path), Path(path).stat().st_size)] if path is not None else []) + [
+        (f"--set {item[:40]!r}{'...' if len(item) > 40 else ''}", len(item.encode())) for item in overrides]
+    total = sum(size for _, size in sizes)
+    if total > MAX_CONFIG_BYTES:
+        largest = ", ".join(f"{name}: {size:,} bytes" for name, size in sorted(sizes, key=lambda s: -s[1])[:3])
+        raise ValueError(f"the config is {total:,} bytes ({largest}), more than the limit of {MAX_CONFIG_BYTES:,} "
+                         "bytes (what Prefect stores as a flow run's parameters); a config names its data and "
+                         "model, it does not hold them: put large values (a long column_mapping, a list of files) "
+                         "in the data itself or a glob")
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deeply to read (a config is a mapping of sections of fields, a "
+                         "few levels deep); look for runaway brackets or indentation") from None
+
+
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """RunConfig from an optional YAML file plus `section.field=value` overrides (values parsed as YAML)."""
     raw: dict[str, Any] = {}
+    _check_size(path, overrides or [])
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = _parse_yaml(Path(path).read_text(), str(path))
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config sections, got {type(loaded).__name__}")
         raw = loaded
@@ -515,8 +568,12 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {part} is not a config section")
-        node[leaf] = yaml.safe_load(value)
-    return RunConfig.model_validate(raw)
+        node[leaf] = _parse_yaml(value, f"--set {dotted.strip()}")
+    try:
+        return RunConfig.model_validate(raw)
+    except RecursionError:
+        raise ValueError(f"{path or 'the --set values'}: a value is nested too deeply to check; a config field "
+                         "holds a string, a number, or a short list or mapping of them") from None
 
 
 def reference_table() -> str:

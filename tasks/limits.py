@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -24,7 +25,9 @@ def uses_server() -> bool:
     """
     from prefect.settings import PREFECT_API_URL
 
-    return bool(PREFECT_API_URL.value())
+    url = PREFECT_API_URL.value()
+    # the API `qlora-pipeline run` serves itself (deployments/temporary_server.py) is as temporary as Prefect's own
+    return bool(url) and url != os.environ.get("QLORA_TEMPORARY_API_URL")
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -51,3 +52,21 @@ def quiet_user_errors(*_hook_args: object, **_hook_kwargs: object) -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropUserErrorTraceback) for f in handler.filters):
                 handler.addFilter(_DropUserErrorTraceback())
+    quiet_libraries()
+
+
+class _DropMissingKernels(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No module named 'kernels'" not in record.getMessage()
+
+
+def quiet_libraries() -> None:
+    """Silence the libraries' warnings that are not about our calls and that no user can act on (idempotent)."""
+    # peft's PeftModel and TRL read model.is_gradient_checkpointing, which transformers 5 deprecates; our own
+    # calls use the new names (activation_checkpointing), so what is left would print on every training run
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # bitsandbytes tries an optional CPU kernel package (`kernels`, from the hub: not on machines without network)
+    # in every model-loading stage and uses its own CPU kernel instead; nothing is wrong
+    ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropMissingKernels) for f in ops.filters):
+        ops.addFilter(_DropMissingKernels())

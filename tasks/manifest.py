@@ -30,6 +30,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from tasks import disk
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 
@@ -114,6 +115,7 @@ class TrainMetrics(_Metrics):
     # offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib with peak_gpu_allocated_gib
     memory_plan: dict[str, Any] | None = None
     tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
+    gpu_wait_seconds: float | None = None  # of the stage's seconds, waiting for the GPU slot (other runs' training)
 
 
 class EvalMetrics(_Metrics):
@@ -434,7 +436,13 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
         _clear(folder, keep)
         logger().info("%s %s: computing into %s", spec.stage, key, folder)
         run = StageRun(spec, folder, key, done=False)
-        yield run
+        try:
+            yield run
+        except Exception as exc:
+            if not disk.is_out_of_space(exc, folder):
+                raise
+            _clear(folder, keep)  # the partial outputs: free what they held
+            raise disk.out_of_space(spec.stage, spec.runs_dir, folder) from exc
         if not run.done:
             raise RuntimeError(f"{spec.stage}: the stage body returned without calling finish()")
     finally:

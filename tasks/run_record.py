@@ -42,6 +42,7 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     train_dir = Path(stages["train_adapter"]["dir"])
     loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png")
+    artifacts.run_completed(stages["train_adapter"]["status"], by_stage["train_adapter"].get("optimizer_steps"))
     if "promotion" in metrics:  # every run, cached or not: the nightly report is right when nothing changed
         champion = registry.champion(registry.registry_dir(config.runs_dir, config.export.name))
         artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "

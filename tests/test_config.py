@@ -45,6 +45,7 @@ def test_reference_recipe_preset_matches_the_published_recipe() -> None:
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.learning_rate) == (1, 16, 2e-4)
     assert (t.optim, t.gradient_checkpointing, t.num_train_epochs, c.data.max_seq_length) == (
         "paged_adamw_8bit", True, 1, 512)
+    assert not c.speed.packing  # a micro-batch of one example, as the recipe trains
 
 
 def test_every_bad_field_is_reported_at_once() -> None:

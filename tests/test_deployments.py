@@ -198,9 +198,19 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
             "train-progress", "loss-curve", "eval-samples", "eval-metrics"} <= keys
     assert list((tmp_path / "runs" / "runs").glob("*/loss.png"))
 
+    (read,) = _artifacts(first.id, "prepare-data")
+    assert "`data.source`" in read.data and "- none" not in read.data  # what it read, not "none"
+    (samples,) = _artifacts(first.id, "eval-samples")
+    rows = json.loads(samples.data) if isinstance(samples.data, str) else samples.data
+    cells = [str(v) for row in rows for v in row.values()]
+    assert any("\\#\\#\\# Instruction" in c for c in cells)  # escaped: text in the cell, not a heading
+    assert not any("\n" in c for c in cells)
+
     again = _wait(_start_run("embedded-default", config))
     assert again.state.type.value == "COMPLETED"
     assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+    (progress,) = _artifacts(again.id, "train-progress")  # one per run, cached training included
+    assert progress.data == 100.0 and "cached" in progress.description
 
 
 def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, Any], tmp_path: Path) -> None:
@@ -222,7 +232,8 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     assert failed.state.type.value == "FAILED"
     assert settled_task_states(failed.id) == {"prepare_data": ["Failed"]}
     assert "line(s)" in failed.state.message or "bad rows" in failed.state.message
-    assert "run-failure" in _artifact_keys(failed.id)
+    (card,) = _artifacts(failed.id, "run-failure")
+    assert "`runs_dir/<stage>/<key>/`" in card.data and "If it names the data or another file" in card.data
 
     data.write_text(good)  # the fix
     with get_client(sync_client=True) as client:  # what the UI's Retry (and `prefect flow-run retry`) does
@@ -231,6 +242,8 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
     assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
     assert {k: v[-1] for k, v in settled_task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
     assert {p: p.stat().st_mtime_ns for p in manifests} == manifests  # nothing recomputed
+    (card,) = _artifacts(failed.id, "run-failure")
+    assert card.data.startswith("## Resolved: the run completed on a later attempt"), card.data[:200]
 
     deadline = time.time() + 90  # the automation fires from the server's event stream
     while not any(failed.name in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:

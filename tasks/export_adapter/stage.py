@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import registry
+from tasks import disk, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
 from tasks.log import logger
@@ -58,6 +58,9 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                 logger().warning("export_adapter: registry %s: %s", args.name, fixed)
             return str(stage.dir)
         manifests = {m.stage: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir, eval_dir)))}
+        tokenizer = sum((Path(model_dir) / name).stat().st_size for name in _tokenizer_files(Path(model_dir)))
+        disk.require("export_adapter", runs_dir, stage.dir, disk.folder_bytes(Path(adapter_dir) / "adapter")
+                     + tokenizer, "the adapter and its tokenizer")
         outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir,
                               names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
@@ -103,6 +106,8 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     conv1d = _conv1d_names(quantized)
     base = quantized.dequantize().to(getattr(torch, args.merged_dtype))
     merged = _restore_conv1d(PeftModel.from_pretrained(base, adapter).merge_and_unload(), conv1d)
+    disk.require("export_adapter", out.parents[2], out, merged.get_memory_footprint(),  # out: runs/stage/key/merged
+                 f"the merged {args.merged_dtype} model")
     merged.save_pretrained(out, max_shard_size=args.max_shard_size)
     _copy_files(model_dir, out, names=_tokenizer_files(model_dir))
     logger().info("export_adapter: merged %s model (%s) in %s", args.merged_dtype, adapter, out)

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import task
 
+from tasks import disk
 from tasks.caching import stage_task_options
 from tasks.config import ModelArgs
 from tasks.log import logger
@@ -44,8 +45,12 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
         source = model_path(args.base_model, args.revision)
         dtype = compute_dtype(args.bnb_4bit_compute_dtype)
         model = _load_4bit(source, args, dtype)
+        tokenizer = load_tokenizer(source)
+        # the checkpoint holds what the 4-bit model holds in memory; the tokenizer files are the source's own
+        disk.require("prepare_model", runs_dir, stage.dir, model.get_memory_footprint() + _tokenizer_bytes(source),
+                     "the 4-bit checkpoint and its tokenizer")
         model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
-        load_tokenizer(source).save_pretrained(stage.dir)
+        tokenizer.save_pretrained(stage.dir)
         finish(stage, model, dtype, model.get_memory_footprint())
         return str(stage.dir)
 
@@ -62,6 +67,10 @@ def finish(stage: Any, model: Any, dtype: Any, footprint: int) -> dict[str, Any]
     outputs = [p.name for p in stage.dir.iterdir() if p.is_file() and not p.name.startswith(".")]
     stage.finish(outputs, metrics)
     return metrics
+
+
+def _tokenizer_bytes(source: Path) -> int:
+    return sum(p.stat().st_size for p in Path(source).glob("*token*") if p.is_file())
 
 
 def quantization_config(args: ModelArgs, dtype: Any) -> Any:

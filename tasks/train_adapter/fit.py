@@ -139,7 +139,7 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
         settings["bf16"] = compute == "bfloat16"
     args = TrainingArguments(
         output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
-        fp16=compute == "float16", gradient_checkpointing_kwargs={"use_reentrant": False},
+        fp16=compute == "float16", activation_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=device() == "cpu", report_to=[], disable_tqdm=True, remove_unused_columns=False,
         dataloader_num_workers=0, **host_sync_free(), **{**settings, **fsdp_settings(speed, model)},
     )

@@ -58,7 +58,9 @@ def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
     """TrainArgs as TrainingArguments keywords, checkpointing left to enable_checkpointing."""
     settings = train.model_dump(exclude={*PIPELINE_TRAIN_FIELDS, *PREFERENCE_TRAIN_FIELDS})
     settings["optim"] = optimizer(train, speed)
-    settings["gradient_checkpointing"] = False  # the Trainer would replace our checkpoint function with its own
+    # the Trainer would replace our checkpoint function with its own; transformers 5 names it activation_checkpointing
+    del settings["gradient_checkpointing"]
+    settings["activation_checkpointing"] = False
     if speed.packing:
         settings["per_device_train_batch_size"] = 1  # one pack per micro-batch; its size is set in tokens
     return settings
@@ -66,7 +68,7 @@ def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
 
 def optimizer(train: TrainArgs, speed: SpeedArgs) -> str:
     """train.optim, or for None: torch's fused AdamW on a GPU, its plain AdamW under FSDP (which it shards),
-    bitsandbytes' paged 8-bit AdamW elsewhere (so CPU runs keep the optimizer they always had).
+    bitsandbytes' 8-bit AdamW elsewhere (what CPU runs always ran: the paged variant falls back to it on CPU).
 
     Why fused AdamW on a GPU: bitsandbytes' 8-bit optimizers call cuda.synchronize after every parameter (448
     LoRA tensors for an 8B model on all seven projections), so the host stops queueing work through the whole
@@ -83,8 +85,17 @@ def optimizer(train: TrainArgs, speed: SpeedArgs) -> str:
                              "sharded parameters", train.optim)
         return "adamw_torch"
     if train.optim is not None:
+        logger().info("train_adapter: optimizer %s (train.optim)", train.optim)
         return train.optim
-    return "adamw_torch_fused" if torch.cuda.is_available() else "paged_adamw_8bit"
+    if torch.cuda.is_available():
+        logger().info("train_adapter: optimizer adamw_torch_fused (train.optim is None and a GPU is present: torch's "
+                      "fused AdamW keeps the host queueing work, bitsandbytes' optimizers wait for the GPU)")
+        return "adamw_torch_fused"
+    # paged_adamw_8bit, the default here before, runs exactly this on CPU after warning "Paged optimizers are not
+    # supported on CPU" on every run: the same maths, said without the warning
+    logger().info("train_adapter: optimizer adamw_8bit (train.optim is None and no GPU: bitsandbytes' 8-bit AdamW, "
+                  "what its paged variant falls back to on CPU)")
+    return "adamw_8bit"
 
 
 def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:

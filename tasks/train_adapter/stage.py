@@ -13,6 +13,7 @@ names the tracking runs the Trainer reports into (tasks/tracking), kept so a res
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import task
@@ -66,7 +67,9 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         if train.init_adapter:  # the ranks get the folder itself
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
         processes = parallel.world_size(speed)
+        asked = time.monotonic()
         with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+            waited = round(time.monotonic() - asked, 1)  # the stage's time less this is its work (its artifact)
             refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
             if processes > 1:
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
@@ -74,7 +77,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                 fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
                 metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
-        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, **({"tracking": refs} if refs else {})},
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited,
+                                                      **({"tracking": refs} if refs else {})},
                      resumed_from_step=resumed)
         return str(stage.dir)
 

@@ -29,11 +29,13 @@ from prefect import task
 from tasks import registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
+from tasks.export_adapter.gguf import write_gguf
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
-VERSION = "3"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
+# 4: export.gguf (gguf/ files, Modelfile)
+VERSION = "4"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]
@@ -65,6 +67,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
+            outputs += write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf)
         card = partial(model_card, args.name, manifests, config)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
         eval_metrics = manifests["evaluate_adapter"].metrics.model_dump()
@@ -167,6 +170,9 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
               f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
               if config["export"]["merge"] else "")
+    ggufs = sorted(p.name for p in (folder / "gguf").glob("*.gguf"))
+    merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
+               "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if ggufs else "")
     return f"""---
 library_name: peft
 base_model: {base}

@@ -67,8 +67,9 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
-            outputs += write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf)
-        card = partial(model_card, args.name, manifests, config)
+        ggufs = write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf) if args.merge else []
+        outputs += ggufs
+        card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
         eval_metrics = manifests["evaluate_adapter"].metrics.model_dump()
         record = registry.publish(registry.registry_dir(runs_dir, args.name), stage.dir, stage.key, eval_metrics,
@@ -157,7 +158,7 @@ def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, A
 
 
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
-               record: dict[str, Any] | None) -> str:
+               record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
     data, model = manifests["prepare_data"], manifests["prepare_model"]
     metrics = manifests["evaluate_adapter"].metrics.model_dump()
@@ -170,7 +171,7 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
               f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
               if config["export"]["merge"] else "")
-    ggufs = sorted(p.name for p in (folder / "gguf").glob("*.gguf"))
+    ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf")]
     merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
                "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if ggufs else "")
     return f"""---

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, SpeedArgs, TrainArgs
+from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 
 pytest.importorskip("gguf", reason="the serving extra (pip install -e .[serving]) provides the gguf package")
 
@@ -147,7 +147,8 @@ def test_adapter_folder_is_what_vllms_lora_loader_accepts(exported: dict[str, An
     config = json.loads((version / "adapter_config.json").read_text())
     assert {"r", "lora_alpha", "target_modules"} <= set(config) and config["r"] == 4
     assert not config.get("modules_to_save") and not config.get("use_dora")
-    assert config.get("base_model_name_or_path")
+    # the user's base model (here the embedded one, as the run config names it), not the run's 4-bit checkpoint
+    assert config["base_model_name_or_path"] == ModelArgs().model_dump()["base_model"]
     with safe_open(version / "adapter_model.safetensors", framework="pt") as f:
         names = list(f.keys())
     assert names

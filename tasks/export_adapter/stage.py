@@ -30,6 +30,7 @@ from tasks import registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
 from tasks.export_adapter.gguf import write_gguf
+from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
@@ -64,6 +65,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                               names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
         config = _run_config(manifests, args)
+        point_at_base_model(stage.dir / "adapter_config.json", config["model"]["base_model"])
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)

@@ -15,8 +15,6 @@ from pydantic import ValidationError
 
 from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 
-pytest.importorskip("gguf", reason="the serving extra (pip install -e .[serving]) provides the gguf package")
-
 PROMPTS = ["the answer to the question is", "what is two plus three", "hello"]
 # max |logit difference| vs the merged model, logits of magnitude ~1. f16 keeps 11 significant bits of each weight
 # (measured 5.6e-4 on the tiny Llama); q8_0 keeps 8 bits per 32-wide block (measured 1.6e-2). A wrong tensor
@@ -125,6 +123,14 @@ def test_family_the_writer_does_not_know_gets_a_log_line_and_no_gguf(tmp_path: P
         assert write_gguf(merged, tmp_path / "gguf", ["q8_0"]) == []
     assert "no GGUF: family 'gpt2' is not one the GGUF export knows (llama, mistral, qwen2)" in caplog.text
     assert not (tmp_path / "gguf").exists()
+    # a known family with a tokenizer the writer cannot express (byte-fallback BPE, sentencepiece style)
+    llama = build_family_model("llama", tmp_path / "llama")
+    tokenizer = json.loads((llama / "tokenizer.json").read_text())
+    tokenizer["model"]["byte_fallback"] = True
+    (llama / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with caplog.at_level(logging.INFO):
+        assert write_gguf(llama, tmp_path / "gguf", ["f16"]) == []
+    assert "no GGUF: the tokenizer is not byte-level BPE" in caplog.text and not (tmp_path / "gguf").exists()
 
 
 # vLLM's LoRA loader, as of vllm-project/vllm main (2026):
@@ -170,7 +176,7 @@ def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> Non
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:SMALL_ROWS]))
     sets = small_overrides(data, tmp_path / "runs", **{"train.max_steps": 2, "eval.max_samples": 4,
                                                        "eval.generation_samples": 0})
-    args = ["run", *[a for s in [*sets, "export.merge=true", "export.gguf=[q8_0]"] for a in ("--set", s)]]
+    args = ["run", "--json", *[a for s in [*sets, "export.merge=true", "export.gguf=[q8_0]"] for a in ("--set", s)]]
     done = subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, env=cli_env(tmp_path / "prefect-home"), timeout=1100)
     assert done.returncode == 0, done.stderr[-3000:]

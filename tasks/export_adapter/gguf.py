@@ -9,10 +9,12 @@ A family not listed there gets one log line and no GGUF.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
+from tasks.errors import UserError
 from tasks.log import logger
 
 # model_type -> (gguf architecture name, whether q/k rows are permuted to llama.cpp's interleaved rope layout:
@@ -26,13 +28,20 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_
 def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
     """Write merged/ as out/model-<type>.gguf per type and out/Modelfile; the files written, relative to out's parent
     (none for a family the writer does not know)."""
-    config = json.loads((merged / "config.json").read_text())
-    family = FAMILIES.get(config.get("model_type", ""))
     if not types:
         return []
+    config = json.loads((merged / "config.json").read_text())
+    family = FAMILIES.get(config.get("model_type", ""))
     if family is None:
         logger().info("export_adapter: no GGUF: family %r is not one the GGUF export knows (%s)",
                       config.get("model_type"), ", ".join(FAMILIES))
+        return []
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"export.gguf={types} needs the gguf package, which is not installed: install the serving "
+                        "extra (pip install -e \".[serving]\") or set export.gguf=[]")
+    if not _byte_level_bpe(merged / "tokenizer.json"):
+        logger().info("export_adapter: no GGUF: the tokenizer is not byte-level BPE, the one vocabulary the GGUF "
+                      "export writes (sentencepiece-style tokenizers are not supported yet)")
         return []
     out.mkdir(parents=True, exist_ok=True)
     tensors = _read_tensors(merged)
@@ -40,6 +49,17 @@ def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
     (out / "Modelfile").write_text(modelfile(names[0], merged))
     logger().info("export_adapter: GGUF %s in %s", ", ".join(names), out)
     return [f"{out.name}/{name}" for name in [*names, "Modelfile"]]
+
+
+def _byte_level_bpe(tokenizer_json: Path) -> bool:
+    """Whether gguf's BpeVocab (llama.cpp's "gpt2" tokenizer model) reads this tokenizer."""
+    import gguf
+
+    try:
+        gguf.vocab.BpeVocab(tokenizer_json.parent)
+    except (FileNotFoundError, ValueError, KeyError):
+        return False
+    return True
 
 
 def _read_tensors(folder: Path) -> dict[str, Any]:
@@ -131,7 +151,7 @@ def _add_vocab(writer: Any, merged: Path, vocab_size: int) -> None:
     import gguf
 
     tokenizer = json.loads((merged / "tokenizer.json").read_text())
-    vocab = gguf.vocab.BpeVocab(merged)  # raises for a tokenizer that is not byte-level BPE
+    vocab = gguf.vocab.BpeVocab(merged)
     special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
     tokens = [text if isinstance(text, bytes) else text.encode() for text, _, _ in vocab.all_tokens()]
     writer.add_tokenizer_model("gpt2")

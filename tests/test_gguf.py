@@ -183,3 +183,19 @@ def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> Non
     version = Path(last_json(done.stdout)["metrics"]["export_path"])
     assert (version / "gguf" / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+
+
+def test_rows_that_are_not_whole_q8_0_blocks_stay_f16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import gguf
+
+    from tasks.export_adapter.gguf import write_gguf
+    from tests.families import build_family_model
+
+    merged = build_family_model("llama", tmp_path / "llama", hidden=48, intermediate=64)  # 48: not 32-wide blocks
+    with caplog.at_level(logging.INFO):
+        write_gguf(merged, tmp_path / "gguf", ["q8_0"])
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "gguf" / "model-q8_0.gguf").tensors}
+    # rows of 48 (q/k/v/gate/up, embeddings) stay f16; down_proj's rows of 64 are quantized
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert "blk.0.attn_q.weight [48, 48] stays f16 (rows not whole q8_0 blocks)" in caplog.text
+    _check_gguf_logits(merged, tmp_path / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,7 @@ def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
                       "export writes (sentencepiece-style tokenizers are not supported yet)")
         return []
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _read_tensors(merged)
-    names = [_write_one(config, family, tensors, merged, out / f"model-{kind}.gguf", kind) for kind in types]
+    names = [_write_one(config, family, merged, out / f"model-{kind}.gguf", kind) for kind in types]
     (out / "Modelfile").write_text(modelfile(names[0], merged))
     logger().info("export_adapter: GGUF %s in %s", ", ".join(names), out)
     return [f"{out.name}/{name}" for name in [*names, "Modelfile"]]
@@ -62,21 +62,17 @@ def _byte_level_bpe(tokenizer_json: Path) -> bool:
     return True
 
 
-def _read_tensors(folder: Path) -> dict[str, Any]:
-    from safetensors.numpy import load_file
-    from safetensors.torch import load_file as load_torch
+def _tensors(folder: Path) -> Iterator[tuple[str, Any]]:
+    """The merged model's tensors as float32 numpy arrays, one at a time (the f32 copy of a whole 8B model is 32 GB)."""
+    from safetensors import safe_open
 
-    tensors: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        try:
-            tensors.update(load_file(file))
-        except TypeError:  # numpy has no bfloat16: go through torch
-            tensors.update({k: v.float().numpy() for k, v in load_torch(file).items()})
-    return tensors
+        with safe_open(file, framework="pt") as f:  # torch: numpy has no bfloat16
+            for name in f.keys():
+                yield name, f.get_tensor(name).float().numpy()
 
 
-def _write_one(config: dict[str, Any], family: tuple[str, bool], tensors: dict[str, Any], merged: Path, path: Path,
-               kind: str) -> str:
+def _write_one(config: dict[str, Any], family: tuple[str, bool], merged: Path, path: Path, kind: str) -> str:
     import gguf
 
     arch_name, permute = family
@@ -87,13 +83,13 @@ def _write_one(config: dict[str, Any], family: tuple[str, bool], tensors: dict[s
     _add_hparams(writer, config, getattr(gguf.LlamaFileType, FILE_TYPES[kind]))
     _add_vocab(writer, merged, config["vocab_size"])
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for hf_name, data in tensors.items():
+    for hf_name, data in _tensors(merged):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"GGUF export: no {arch_name} GGUF name for tensor {hf_name}")
         if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
             data = _permute(data, heads if ".attn_q." in name else kv_heads)
-        _add_tensor(writer, name, data.astype("float32"), kind)
+        _add_tensor(writer, name, data, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -397,6 +397,11 @@ class ExportArgs(_Section):
         "bfloat16", description="dtype of the merged model's weights.",
     )
     max_shard_size: str = Field("5GB", description="Largest safetensors shard of the merged model (save_pretrained).")
+    gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = Field(
+        default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one per "
+        "type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile, in gguf/; needs merge. The types are those the "
+        "gguf package quantizes itself; for k-quants (q4_k_m) run llama.cpp's llama-quantize on the f16 file.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -406,6 +411,13 @@ class ExportArgs(_Section):
             raise ValueError("must be one folder name: letters, digits, '.', '_' and '-', not starting with '.' "
                              "(e.g. support-bot)")
         return value
+
+    @model_validator(mode="after")
+    def _gguf_needs_merge(self) -> ExportArgs:
+        # the GGUF files are written from merged/: without it there is nothing to convert
+        if self.gguf and not self.merge:
+            raise ValueError("export.gguf needs the merged model: set export.merge=true as well (or export.gguf=[])")
+        return self
 
 
 TRACKING_BACKENDS = ("mlflow", "tensorboard")  # one module each in tasks/tracking/

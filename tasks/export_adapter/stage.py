@@ -29,11 +29,14 @@ from prefect import task
 from tasks import disk, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
+from tasks.export_adapter.gguf import write_gguf
+from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
-VERSION = "3"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
+# 4: export.gguf (gguf/ files, Modelfile)
+VERSION = "4"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]
@@ -65,10 +68,13 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                               names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
         config = _run_config(manifests, args)
+        point_at_base_model(stage.dir / "adapter_config.json", config["model"]["base_model"])
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
-        card = partial(model_card, args.name, manifests, config)
+        ggufs = write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf) if args.merge else []
+        outputs += ggufs
+        card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
         eval_metrics = manifests["evaluate_adapter"].metrics.model_dump()
         record = registry.publish(registry.registry_dir(runs_dir, args.name), stage.dir, stage.key, eval_metrics,
@@ -159,7 +165,7 @@ def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, A
 
 
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
-               record: dict[str, Any] | None) -> str:
+               record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
     data, model = manifests["prepare_data"], manifests["prepare_model"]
     metrics = manifests["evaluate_adapter"].metrics.model_dump()
@@ -172,6 +178,9 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
               f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
               if config["export"]["merge"] else "")
+    ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf")]
+    merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
+               "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if ggufs else "")
     return f"""---
 library_name: peft
 base_model: {base}

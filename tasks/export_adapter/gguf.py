@@ -1,0 +1,168 @@
+"""GGUF files of the merged model for llama.cpp and Ollama, and the Ollama Modelfile beside them.
+
+Reads merged/ (safetensors, config.json, tokenizer.json: the stage's merged model) and writes gguf/model-<type>.gguf
+per requested type and gguf/Modelfile. The `gguf` package (llama.cpp's gguf-py) names the tensors
+(TensorNameMap), quantizes them (gguf.quants) and writes the file (GGUFWriter); it ships no HF converter
+(convert_hf_to_gguf.py is only in llama.cpp's source tree), so the few per-family facts it needs are in FAMILIES.
+A family not listed there gets one log line and no GGUF.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import UserError
+from tasks.log import logger
+
+# model_type -> (gguf architecture name, whether q/k rows are permuted to llama.cpp's interleaved rope layout:
+# llama.cpp's converter does it for Llama-style models, Qwen2 uses the NeoX layout unchanged)
+FAMILIES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1"}
+
+
+def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
+    """Write merged/ as out/model-<type>.gguf per type and out/Modelfile; the files written, relative to out's parent
+    (none for a family the writer does not know)."""
+    if not types:
+        return []
+    config = json.loads((merged / "config.json").read_text())
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family is None:
+        logger().info("export_adapter: no GGUF: family %r is not one the GGUF export knows (%s)",
+                      config.get("model_type"), ", ".join(FAMILIES))
+        return []
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"export.gguf={types} needs the gguf package, which is not installed: install the serving "
+                        "extra (pip install -e \".[serving]\") or set export.gguf=[]")
+    if not _byte_level_bpe(merged / "tokenizer.json"):
+        logger().info("export_adapter: no GGUF: the tokenizer is not byte-level BPE, the one vocabulary the GGUF "
+                      "export writes (sentencepiece-style tokenizers are not supported yet)")
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    names = [_write_one(config, family, merged, out / f"model-{kind}.gguf", kind) for kind in types]
+    (out / "Modelfile").write_text(modelfile(names[0], merged))
+    logger().info("export_adapter: GGUF %s in %s", ", ".join(names), out)
+    return [f"{out.name}/{name}" for name in [*names, "Modelfile"]]
+
+
+def _byte_level_bpe(tokenizer_json: Path) -> bool:
+    """Whether gguf's BpeVocab (llama.cpp's "gpt2" tokenizer model) reads this tokenizer."""
+    import gguf
+
+    try:
+        gguf.vocab.BpeVocab(tokenizer_json.parent)
+    except (FileNotFoundError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _tensors(folder: Path) -> Iterator[tuple[str, Any]]:
+    """The merged model's tensors as float32 numpy arrays, one at a time (the f32 copy of a whole 8B model is 32 GB)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:  # torch: numpy has no bfloat16
+            for name in f.keys():
+                yield name, f.get_tensor(name).float().numpy()
+
+
+def _write_one(config: dict[str, Any], family: tuple[str, bool], merged: Path, path: Path, kind: str) -> str:
+    import gguf
+
+    arch_name, permute = family
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    layers = config["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(path, arch_name)
+    _add_hparams(writer, config, getattr(gguf.LlamaFileType, FILE_TYPES[kind]))
+    _add_vocab(writer, merged, config["vocab_size"])
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for hf_name, data in _tensors(merged):
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"GGUF export: no {arch_name} GGUF name for tensor {hf_name}")
+        if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _permute(data, heads if ".attn_q." in name else kv_heads)
+        _add_tensor(writer, name, data, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.name
+
+
+def _permute(weights: Any, heads: int) -> Any:
+    """HF's rotate-half q/k rows to llama.cpp's interleaved pairs (transformers' GGUF loader undoes it)."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, 2, half, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _add_tensor(writer: Any, name: str, data: Any, kind: str) -> None:
+    import gguf
+    import numpy as np
+
+    # llama.cpp keeps 1-D tensors (norms, biases) in f32; a row that is not a whole number of blocks stays f16
+    qtype = gguf.GGMLQuantizationType[FLOAT_TYPES.get(kind, kind.upper())]
+    if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, data)
+        return
+    if qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+        return
+    try:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    except gguf.quants.QuantError:
+        logger().info("export_adapter: GGUF %s: %s %s stays f16 (rows not whole %s blocks)", kind, name,
+                      list(data.shape), kind)
+        writer.add_tensor(name, data.astype(np.float16))
+
+
+def _add_hparams(writer: Any, config: dict[str, Any], file_type: int) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(file_type)
+
+
+def _add_vocab(writer: Any, merged: Path, vocab_size: int) -> None:
+    """The tokenizer as llama.cpp's gpt2 (byte-level BPE) vocabulary, special tokens marked as control tokens."""
+    import gguf
+
+    tokenizer = json.loads((merged / "tokenizer.json").read_text())
+    vocab = gguf.vocab.BpeVocab(merged)
+    special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
+    tokens = [text if isinstance(text, bytes) else text.encode() for text, _, _ in vocab.all_tokens()]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    gguf.SpecialVocab(merged, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+
+
+def modelfile(gguf_name: str, merged: Path) -> str:
+    """An Ollama Modelfile: FROM the GGUF beside it, the tokenizer's end-of-sequence token as stop."""
+    tokenizer = json.loads((merged / "tokenizer_config.json").read_text())
+    stops = [t for t in (tokenizer.get("eos_token"),) if isinstance(t, str)]
+    lines = [f"FROM ./{gguf_name}"]
+    # the chat template travels in the GGUF's tokenizer.chat_template key, which Ollama reads itself
+    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
+    return "\n".join(lines) + "\n"

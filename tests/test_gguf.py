@@ -1,0 +1,201 @@
+"""export.gguf: the merged model as GGUF (checked by transformers' own GGUF reader), the Ollama Modelfile, and the
+adapter folder checked against vLLM's LoRA loader rules."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
+
+PROMPTS = ["the answer to the question is", "what is two plus three", "hello"]
+# max |logit difference| vs the merged model, logits of magnitude ~1. f16 keeps 11 significant bits of each weight
+# (measured 5.6e-4 on the tiny Llama); q8_0 keeps 8 bits per 32-wide block (measured 1.6e-2). A wrong tensor
+# layout (e.g. q/k rows left unpermuted) moves them by far more than this.
+TOLERANCE = {"f16": 5e-3, "q8_0": 6e-2}
+
+
+@pytest.fixture(scope="module")
+def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A few training steps on the shared first stages, then export with merge and two GGUF types."""
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.export_adapter.stage import export_adapter
+    from tasks.train_adapter.stage import train_adapter
+
+    runs = stages["runs"]
+    adapter = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=2, logging_steps=1), SpeedArgs(),
+                               runs, stages["data"], stages["model"])
+    evals = evaluate_adapter.fn(EvalArgs(max_samples=4, generation_samples=0), runs, stages["data"],
+                                stages["model"], adapter)
+    args = ExportArgs(name="gguftest", merge=True, merged_dtype="float32", gguf=["f16", "q8_0"])
+    out = tmp_path_factory.mktemp("export")
+    folder = Path(export_adapter.fn(args, out, stages["data"], stages["model"], adapter, evals))
+    return {"folder": folder, "version": out.resolve() / "exports" / "gguftest" / "v0001"}
+
+
+def _logits(model: Any, tokenizer: Any) -> Any:
+    import torch
+
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return model.eval()(**batch).logits
+
+
+def _check_gguf_logits(merged: Path, folder: Path, name: str, tolerance: float) -> float:
+    """The GGUF file read back by transformers gives the merged model's logits; returns the max difference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    want = _logits(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), tokenizer)
+    got = _logits(AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32), tokenizer)
+    diff = (got - want).abs().max().item()
+    assert diff < tolerance, (name, diff)
+    # the tokenizer inside the GGUF (what llama.cpp and Ollama use) encodes as the original one
+    from_gguf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    for prompt in PROMPTS:
+        assert from_gguf(prompt).input_ids == tokenizer(prompt).input_ids
+    assert (from_gguf.bos_token_id, from_gguf.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    return diff
+
+
+def test_gguf_types_are_validated_and_need_merge() -> None:
+    with pytest.raises(ValidationError) as bad:
+        ExportArgs(merge=True, gguf=["q4_k_m", "q8_0"])
+    assert "Input should be 'f32', 'f16', 'bf16', 'q8_0'" in str(bad.value)
+    with pytest.raises(ValidationError, match="export.gguf needs the merged model: set export.merge=true"):
+        ExportArgs(gguf=["q8_0"])
+    assert ExportArgs().gguf == [] and ExportArgs(merge=True, gguf=["f16", "q4_0"]).gguf == ["f16", "q4_0"]
+
+
+def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> None:
+    import gguf
+
+    from tasks.manifest import read_manifest
+
+    folder = exported["folder"]
+    ggufs = folder / "gguf"
+    assert sorted(p.name for p in ggufs.iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
+    assert {"gguf/model-f16.gguf", "gguf/model-q8_0.gguf", "gguf/Modelfile"} <= set(read_manifest(folder).outputs)
+    diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", tol)
+             for kind, tol in TOLERANCE.items()}
+    assert diffs["q8_0"] > diffs["f16"]  # it really is quantized, not f16 under another name
+    tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(ggufs / "model-q8_0.gguf").tensors}
+    assert tensors["blk.0.attn_q.weight"] == "Q8_0" and tensors["blk.0.attn_norm.weight"] == "F32"
+    assert (ggufs / "Modelfile").read_text() == 'FROM ./model-f16.gguf\nPARAMETER stop "</s>"\n'
+    # the published version carries the files, and both cards list them
+    version = exported["version"]
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
+    for card in (folder / "README.md", version / "README.md"):
+        assert "GGUF files for llama.cpp and Ollama in `gguf/`: `model-f16.gguf`, `model-q8_0.gguf`" in card.read_text()
+
+
+def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> None:
+    import gguf
+
+    from tasks.export_adapter.gguf import write_gguf
+    from tests.families import build_family_model
+
+    merged = build_family_model("qwen2", tmp_path / "qwen2")
+    config = json.loads((merged / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    (merged / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert write_gguf(merged, tmp_path / "gguf", ["q8_0"]) == ["gguf/model-q8_0.gguf", "gguf/Modelfile"]
+    _check_gguf_logits(merged, tmp_path / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+    field = gguf.GGUFReader(tmp_path / "gguf" / "model-q8_0.gguf").get_field("tokenizer.chat_template")
+    assert field is not None and field.contents() == template
+
+
+def test_family_the_writer_does_not_know_gets_a_log_line_and_no_gguf(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from tasks.export_adapter.gguf import write_gguf
+    from tests.families import build_family_model
+
+    merged = build_family_model("gpt2", tmp_path / "gpt2")
+    with caplog.at_level(logging.INFO):
+        assert write_gguf(merged, tmp_path / "gguf", ["q8_0"]) == []
+    assert "no GGUF: family 'gpt2' is not one the GGUF export knows (llama, mistral, qwen2)" in caplog.text
+    assert not (tmp_path / "gguf").exists()
+    # a known family with a tokenizer the writer cannot express (byte-fallback BPE, sentencepiece style)
+    llama = build_family_model("llama", tmp_path / "llama")
+    tokenizer = json.loads((llama / "tokenizer.json").read_text())
+    tokenizer["model"]["byte_fallback"] = True
+    (llama / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with caplog.at_level(logging.INFO):
+        assert write_gguf(llama, tmp_path / "gguf", ["f16"]) == []
+    assert "no GGUF: the tokenizer is not byte-level BPE" in caplog.text and not (tmp_path / "gguf").exists()
+
+
+# vLLM's LoRA loader, as of vllm-project/vllm main (2026):
+# https://github.com/vllm-project/vllm/blob/main/vllm/lora/lora_model.py (LoRAModel.from_local_checkpoint) reads
+#   adapter_model.safetensors (or .bin/.pt) from the folder; every tensor name must parse with
+#   parse_fine_tuned_lora_name (https://github.com/vllm-project/vllm/blob/main/vllm/lora/utils.py):
+#   "base_model.model.<module path>.lora_A.weight" / ".lora_B.weight" (or .lora_embedding_A/B), and the module's
+#   last name must be one of the model's supported LoRA modules, else "expected target modules in ...".
+# https://github.com/vllm-project/vllm/blob/main/vllm/lora/peft_helper.py (PEFTHelper) needs r, lora_alpha and
+#   target_modules in adapter_config.json, refuses modules_to_save ("vLLM only supports modules_to_save being
+#   None") and use_dora ("vLLM does not yet support DoRA").
+VLLM_LLAMA_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                           "embed_tokens", "lm_head"}  # its packed qkv_proj / gate_up_proj accept these names
+
+
+def test_adapter_folder_is_what_vllms_lora_loader_accepts(exported: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    version = exported["version"]
+    config = json.loads((version / "adapter_config.json").read_text())
+    assert {"r", "lora_alpha", "target_modules"} <= set(config) and config["r"] == 4
+    assert not config.get("modules_to_save") and not config.get("use_dora")
+    # the user's base model (here the embedded one, as the run config names it), not the run's 4-bit checkpoint
+    assert config["base_model_name_or_path"] == ModelArgs().model_dump()["base_model"]
+    with safe_open(version / "adapter_model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    assert names
+    for name in names:
+        parts = name.split(".")
+        assert parts[:2] == ["base_model", "model"], name
+        assert parts[-1] == "weight" and parts[-2] in ("lora_A", "lora_B"), name
+        assert parts[-3] in VLLM_LLAMA_LORA_MODULES, name
+
+
+@pytest.mark.slow
+def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> None:
+    """The issue's "done when": one CLI run with export.merge and export.gguf=[q8_0], its published GGUF read back."""
+    from tests.conftest import SMALL_ROWS, cli_env, last_json, small_overrides
+
+    data = tmp_path / "small.jsonl"
+    from tasks.config import EMBEDDED_DATA
+
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:SMALL_ROWS]))
+    sets = small_overrides(data, tmp_path / "runs", **{"train.max_steps": 2, "eval.max_samples": 4,
+                                                       "eval.generation_samples": 0})
+    args = ["run", "--json", *[a for s in [*sets, "export.merge=true", "export.gguf=[q8_0]"] for a in ("--set", s)]]
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, env=cli_env(tmp_path / "prefect-home"), timeout=1100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    version = Path(last_json(done.stdout)["metrics"]["export_path"])
+    assert (version / "gguf" / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
+    _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+
+
+def test_rows_that_are_not_whole_q8_0_blocks_stay_f16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import gguf
+
+    from tasks.export_adapter.gguf import write_gguf
+    from tests.families import build_family_model
+
+    merged = build_family_model("llama", tmp_path / "llama", hidden=48, intermediate=64)  # 48: not 32-wide blocks
+    with caplog.at_level(logging.INFO):
+        write_gguf(merged, tmp_path / "gguf", ["q8_0"])
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "gguf" / "model-q8_0.gguf").tensors}
+    # rows of 48 (q/k/v/gate/up, embeddings) stay f16; down_proj's rows of 64 are quantized
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert "blk.0.attn_q.weight [48, 48] stays f16 (rows not whole q8_0 blocks)" in caplog.text
+    _check_gguf_logits(merged, tmp_path / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])

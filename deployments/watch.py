@@ -19,13 +19,38 @@ _ESCAPED = re.compile(r"\\([\\`*_{}\[\]<>#|~])")  # tasks/artifacts.py escapes t
 _INLINE_IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)\)")
 
 
-def start(deployment: str, config: dict[str, Any]) -> Any:
-    """Create a flow run of `deployment` (flow/deployment name) with `config`, as the UI's Run button does."""
-    from prefect import get_client
+FLOWS = ("qlora-pipeline", "qlora-sweep")  # a bare deployment name is looked up under these flows, in order
 
+
+def start(deployment: str, config: dict[str, Any]) -> Any:
+    """Create a flow run of `deployment` ("flow/deployment", or a bare name of a qlora flow's deployment) with the
+    deployment's config overridden by the fields in `config`, as the UI's Run button does with an edited form."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    names = [deployment] if "/" in deployment else [f"{flow}/{deployment}" for flow in FLOWS]
     with get_client(sync_client=True) as client:
-        dep = client.read_deployment_by_name(deployment if "/" in deployment else f"qlora-pipeline/{deployment}")
-        return client.create_flow_run_from_deployment(dep.id, parameters={"config": config})
+        for name in names:
+            try:
+                dep = client.read_deployment_by_name(name)
+                break
+            except ObjectNotFound:
+                if name == names[-1]:
+                    raise
+        # Prefect merges run parameters into the deployment's at the top level only: {"config": {...}} alone would
+        # replace the deployment's whole config (its data, method, registry) with the defaults
+        merged = overridden(dep.parameters.get("config") or {}, config)
+        return client.create_flow_run_from_deployment(dep.id, parameters={**dep.parameters, "config": merged})
+
+
+def overridden(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A config dump with `fields` (a dump of only the fields set) put over it, section by section: a field set
+    replaces the deployment's value, the section's other fields stay."""
+    out = dict(base)
+    for name, value in fields.items():
+        section = out.get(name)
+        out[name] = {**section, **value} if isinstance(section, dict) and isinstance(value, dict) else value
+    return out
 
 
 def watch(flow_run_id: Any, out: Callable[[str], None] = print, poll_seconds: float = 2.0) -> str:

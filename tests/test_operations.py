@@ -232,3 +232,21 @@ def test_watch_prints_artifact_contents_not_ids(prefect_env: Path) -> None:
     assert "[image: training loss, 2 KiB PNG" in text and "base64" not in text
     assert "tuned  1.2000" in text and "train-progress: 100% done: 6/6 steps" in text
     assert lines[-1] == "state: Completed"
+
+
+def test_start_overrides_the_deployments_config_field_by_field() -> None:
+    """`qlora-pipeline start NAME --set ...` runs the deployment's own config with those fields changed: Prefect
+    merges run parameters only at the top level, so sending the fields alone ran the plain default instead (a
+    `start dpo-embedded` trained SFT on the sample instructions)."""
+    import yaml
+
+    from deployments.watch import overridden
+    from tasks.config import PROJECT_ROOT, RunConfig, load_config
+
+    spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
+    dpo = next(d for d in spec["deployments"] if d["name"] == "dpo-embedded")["parameters"]["config"]
+    fields = load_config(None, ["train.max_steps=3", "runs_dir=/tmp/r"]).model_dump(mode="json", exclude_unset=True)
+    config = overridden(dpo, fields)
+    assert config["train"] == {**dpo["train"], "max_steps": 3} and config["runs_dir"] == "/tmp/r"
+    assert config["export"] == {"name": "adapter-dpo"} and config["data"] == dpo["data"]
+    assert RunConfig.model_validate(config).train.method == "dpo"

@@ -80,7 +80,7 @@ def base_identity(model_dir: Path) -> str:
 
 def adapter_hashes(folder: Path) -> dict[str, str]:
     """sha256 of an adapter folder's files, as a version record keeps them."""
-    return {name: file_sha256(Path(folder) / name) for name in ADAPTER_FILES}
+    return {name: file_sha256(Path(folder) / name) for name in ADAPTER_FILES if (Path(folder) / name).is_file()}
 
 
 def identity(record: dict[str, Any] | None) -> str | None:

@@ -35,6 +35,8 @@ from tasks.exports import resolve_adapter
 from tasks.manifest import MANIFEST, read_manifest
 
 EVAL = EvalArgs(max_samples=16, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=8)
+# a few steps on the tiny model move its eval loss by about 1%: the gate's margin must be below that
+MARGIN = 0.001
 
 
 def _metrics(folder: str | Path) -> dict[str, Any]:
@@ -43,20 +45,23 @@ def _metrics(folder: str | Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def nights(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two eval sets (the sample data, and the same with six unpredictable words after every answer: harder) and
-    two adapters trained on the sample data: strong (12 steps) and weak (2 steps)."""
+    """Three eval sets (the sample data, and the same with 8 or 12 unpredictable words after every answer: harder
+    for both adapters, and at 12 harder for the strong one than for the weak one) and two adapters trained on the
+    sample data: strong (12 steps at a high rate) and weak (2 steps)."""
     from tasks.prepare_data.stage import prepare_data
     from tasks.train_adapter.stage import train_adapter
 
     runs, rng = stages["runs"], random.Random(0)
     rows = [json.loads(line) for line in EMBEDDED_DATA.read_text().splitlines()[:200]]
     noise = [f"zq{i}" for i in range(50)]
-    hard = tmp_path_factory.mktemp("hard") / "hard.jsonl"
-    hard.write_text("".join(json.dumps({**r, "response": r["response"] + " " + " ".join(rng.choices(noise, k=6))})
-                            + "\n" for r in rows))
-    out = {**stages, "easy": stages["data"], "hard": prepare_data.fn(DataArgs(source=str(hard)), ModelArgs(), runs)}
+    out = {**stages, "easy": stages["data"]}
+    for name, k in (("hard", 8), ("harder", 12)):  # unpredictable words after every answer: a harder eval split
+        noisy = tmp_path_factory.mktemp(name) / f"{name}.jsonl"
+        noisy.write_text("".join(json.dumps({**r, "response": f"{r['response']} {' '.join(rng.choices(noise, k=k))}"})
+                                 + "\n" for r in rows))
+        out[name] = prepare_data.fn(DataArgs(source=str(noisy)), ModelArgs(), runs)
     lora = LoraArgs(r=4, lora_alpha=8)
-    out["strong"] = train_adapter.fn(lora, TrainArgs(max_steps=12, learning_rate=0.003, logging_steps=1),
+    out["strong"] = train_adapter.fn(lora, TrainArgs(max_steps=12, learning_rate=0.02, logging_steps=1),
                                      SpeedArgs(), runs, out["easy"], out["model"])
     out["weak"] = train_adapter.fn(lora, TrainArgs(max_steps=2, logging_steps=1), SpeedArgs(), runs, out["easy"],
                                    out["model"])
@@ -68,8 +73,8 @@ def _night(n: dict[str, Any], name: str, data: str, adapter: str, runs: Path | N
     """One night's evaluation and export of `adapter` on `data` into registry `name` (under `runs`, default the
     shared runs_dir, where the evaluation always goes): (eval dir, export metrics)."""
     evaluated = evaluate_adapter.fn(EVAL, n["runs"], n[data], n["model"], n[adapter], name)
-    exported = export_adapter.fn(ExportArgs(name=name), runs or n["runs"], n[data], n["model"], n[adapter],
-                                 evaluated)
+    exported = export_adapter.fn(ExportArgs(name=name, promotion_margin=MARGIN), runs or n["runs"], n[data],
+                                 n["model"], n[adapter], evaluated)
     return evaluated, _metrics(exported)
 
 
@@ -80,15 +85,16 @@ def test_same_data_gate_promotes_a_better_adapter_the_old_rule_would_reject(nigh
     night1, night2 = _metrics(first_eval), _metrics(second_eval)
     assert night2["judged_against"] == "v0001" and "judged_against" not in night1
     # the old rule: tonight's loss on harder data against the champion's loss on its own (easier) night
-    assert night2["tuned_eval_loss"] > night1["tuned_eval_loss"] * 0.99
+    assert night2["tuned_eval_loss"] > night1["tuned_eval_loss"] * (1 - MARGIN)
     # the same-data rule: the champion scored on tonight's data is worse than the challenger
-    assert night2["champion_eval_loss"] > night2["tuned_eval_loss"] / 0.99
+    assert night2["champion_eval_loss"] > night2["tuned_eval_loss"] / (1 - MARGIN)
     assert (second["promotion"], second["gate_rule"]) == ("promoted", "same-data")
     assert "on this run's eval data (same-data rule)" in second["promotion_reason"]
     assert f"champion v0001's {night2['champion_eval_loss']:.4f}" in second["promotion_reason"]
     # the champion's same-run numbers are its own, on these batches: as if evaluated alone on tonight's data
+    # (measured 1.7e-5 relative apart: the LoRA layers then hold two adapters; a wrong adapter is 1e-2 off)
     alone = _metrics(evaluate_adapter.fn(EVAL, nights["runs"], nights["hard"], nights["model"], nights["weak"]))
-    assert night2["champion_eval_loss"] == pytest.approx(alone["tuned_eval_loss"], rel=1e-6)
+    assert night2["champion_eval_loss"] == pytest.approx(alone["tuned_eval_loss"], rel=1e-4)
     assert night2["champion_rouge_l"] == pytest.approx(alone["tuned_rouge_l"])
     assert night2["base_eval_loss"] == alone["base_eval_loss"]
     samples = [json.loads(s) for s in (Path(second_eval) / "samples.jsonl").read_text().splitlines()]
@@ -120,10 +126,10 @@ def test_an_unchanged_rerun_after_its_promotion_stays_cached(nights: dict[str, A
 
 
 def test_same_data_gate_rejects_a_worse_adapter_the_old_rule_would_promote(nights: dict[str, Any]) -> None:
-    first_eval, _ = _night(nights, "worse", "hard", "strong")  # the champion's night had the harder eval split
+    first_eval, _ = _night(nights, "worse", "harder", "strong")  # the champion's night had the harder eval split
     second_eval, second = _night(nights, "worse", "easy", "weak")
     night1, night2 = _metrics(first_eval), _metrics(second_eval)
-    assert night2["tuned_eval_loss"] < night1["tuned_eval_loss"] * 0.99  # the old rule would promote it
+    assert night2["tuned_eval_loss"] < night1["tuned_eval_loss"] * (1 - MARGIN)  # the old rule would promote it
     assert night2["champion_eval_loss"] < night2["tuned_eval_loss"]  # on the same data the champion is better
     assert (second["promotion"], second["gate_rule"]) == ("rejected", "same-data")
     assert registry.champion(registry.registry_dir(nights["runs"], "worse"))["version"] == "v0001"

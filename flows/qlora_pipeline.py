@@ -10,6 +10,7 @@ from tasks.artifacts import failure_summary
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
+from tasks.exports import check_init_adapter
 from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
@@ -33,9 +34,10 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
             run the embedded tiny model and sample data on a CPU in a few minutes.
     """
     runs = config.runs_dir
+    check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)
     adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)
-    eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
+    eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir, config.export.name)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
     return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])

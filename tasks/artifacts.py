@@ -193,6 +193,62 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
         _upsert("loss-curve", "markdown", markdown, f"{title} (step {last['step']})")
     return image
 
+def history_markdown(rows: list[dict[str, Any]]) -> str:
+    """The registry's versions as a markdown table (also what `qlora-pipeline history` prints)."""
+    if not rows:
+        return "No versions published yet.\n"
+    columns = list(dict.fromkeys(c for row in rows for c in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = None) -> bytes | None:
+    """The `registry-history` artifact: each version's tuned loss and its champion's same-night loss, plotted
+    (inline PNG, as loss_curve) and tabled; the PNG bytes, or None with no versions."""
+    if not rows:
+        return None
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=80)
+    ax.plot(x, [r["tuned eval loss"] for r in rows], marker="o", label="tuned (the version)")
+    same = [(i, r["champion same-night loss"]) for i, r in enumerate(rows) if r["champion same-night loss"] is not None]
+    if same:
+        ax.scatter(*zip(*same, strict=True), marker="x", color="tab:red", label="champion, same night's data")
+    for i, r in enumerate(rows):
+        ax.annotate(r["verdict"][0].upper(), (i, r["tuned eval loss"]), textcoords="offset points", xytext=(0, 6))
+    ax.set_xticks(x, [r["version"] for r in rows])
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"{name}: versions (P promoted, R rejected)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    image = buffer.getvalue()
+    if png is not None:
+        png.write_bytes(image)
+    if _in_run():
+        from prefect.artifacts import create_markdown_artifact
+
+        markdown = (f"## Registry `{name}`: every version\n\n![registry history](data:image/png;base64,"
+                    f"{base64.b64encode(image).decode()})\n\n{history_markdown(rows)}")
+        create_markdown_artifact(markdown=markdown, key="registry-history",
+                                 description=f"{name}: {len(rows)} versions, tuned vs same-night champion loss")
+    return image
+
+
 def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow on_failure and on_crashed hook: end the run's unfinished task runs; say what failed and how to resume.
 

@@ -149,6 +149,19 @@ class EvalMetrics(_Metrics):
     tuned_rejected_logps: float | None = None
     base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
     tuned_preference_accuracy: float | None = None
+    # the export registry's champion, scored in the same pass on the same batches and prompts (README: Nightly
+    # retraining); absent when there is none or it cannot be scored (another base model, damaged, old record)
+    judged_against: str | None = None  # the champion's version (champion_version is the export's: champion now)
+    champion_adapter: str | None = None  # its identity: a hash of its adapter files' sha256, not a path
+    champion_eval_loss: float | None = None
+    champion_perplexity: float | None = None
+    champion_exact_match: float | None = None
+    champion_rouge_l: float | None = None
+    champion_reward_accuracy: float | None = None
+    champion_reward_margin: float | None = None
+    champion_chosen_logps: float | None = None
+    champion_rejected_logps: float | None = None
+    champion_preference_accuracy: float | None = None
 
 
 class ExportMetrics(_Metrics):
@@ -161,6 +174,7 @@ class ExportMetrics(_Metrics):
     promotion_reason: str
     champion_version: str | None
     champion_tuned_eval_loss: float | None
+    gate_rule: str | None = None  # first | same-data | cross-night (tasks/registry.py gate)
 
 
 METRICS: dict[str, type[_Metrics]] = {"prepare_data": DataMetrics, "prepare_model": ModelMetrics,

@@ -44,10 +44,12 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png")
     artifacts.run_completed(stages["train_adapter"]["status"], by_stage["train_adapter"].get("optimizer_steps"))
     if "promotion" in metrics:  # every run, cached or not: the nightly report is right when nothing changed
-        champion = registry.champion(registry.registry_dir(config.runs_dir, config.export.name))
+        root = registry.registry_dir(config.runs_dir, config.export.name)
+        champion = registry.champion(root)
         artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "
                         f"{metrics['export_version']} {metrics['promotion']}: {metrics['promotion_reason']} "
                         f"Champion now: {metrics['champion_version'] or 'none'}.")
+        artifacts.registry_history(config.export.name, registry.history(root), run_dir / "registry-history.png")
     if config.track.backend:  # one MLflow/TensorBoard run per result: this run's, or the earlier one it reused
         summary["tracking"] = tracking.finish(config, stage_dirs, {k: v["status"] for k, v in stages.items()}, metrics)
     (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
@@ -69,13 +71,18 @@ _METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exac
 
 
 def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Rows base / tuned (this run's adapter) / the current champion for the eval-metrics table artifact."""
-    rows = [("base", "base", metrics),
-            (f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics)]
-    if champion is not None:
-        rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"]))
-    return [{"model": label, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in _METRIC_ROWS}}
-            for label, prefix, m in rows]
+    """Rows for the eval-metrics table artifact: base, the champion scored in this run, tuned (this run's adapter),
+    all on this run's eval data; then the champion now, on its own night's data, when it is another version."""
+    judged = metrics.get("judged_against")
+    rows = [("base", "base", metrics, "this run's")]
+    if judged:
+        rows.append((f"champion {judged} (scored beside it)", "champion", metrics, "this run's"))
+    rows.append((f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics, "this run's"))
+    if champion is not None and champion["version"] != judged:
+        rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"], "its own night's"))
+    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if "tuned_reward_accuracy" in metrics else [])
+    return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
+            for label, prefix, m, data in rows]
 
 
 def _fmt(value: Any) -> str:

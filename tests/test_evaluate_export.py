@@ -214,8 +214,10 @@ def test_registry_gate_promotes_first_rejects_worse_promotes_better(trained: dic
     assert (first["version"], first["promotion"]) == ("v0001", "promoted")
     worse = publish("k2", 1.95)  # 2.5% lower: not more than the 5% margin
     assert (worse["version"], worse["promotion"]) == ("v0002", "rejected")
-    assert worse["reason"] == ("tuned eval loss 1.9500 does not beat champion v0001's 2.0000 by more than the "
+    assert worse["reason"] == ("tuned eval loss 1.9500 does not beat champion v0001's 2.0000 on its own night's eval "
+                               "data (cross-night rule: this run scored no champion beside it) by more than the "
                                "5.0% margin (needed < 1.9000)")
+    assert worse["rule"] == "cross-night" and worse["path"] == "exports/a/v0002"
     better = publish("k3", 1.8)
     assert (better["version"], better["promotion"]) == ("v0003", "promoted")
     champion = registry.champion(root)

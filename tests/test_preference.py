@@ -231,7 +231,10 @@ def test_init_adapter_starts_from_an_export_and_keys_on_its_content(pairs: dict[
     adapter = Path(train_adapter.fn(*sections, runs, pairs["data"], pairs["model"]))
     assert json.loads((adapter / "adapter" / "adapter_config.json").read_text())["r"] == 4  # the start's, not 16
     assert not (adapter / "adapter" / "ref").exists()  # TRL's frozen reference copy is not shipped
-    (champion / "adapter_model.safetensors").write_bytes(b"changed")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(champion / "adapter_model.safetensors")  # a new champion: other weights, still loadable
+    save_file({k: v + 1 for k, v in weights.items()}, champion / "adapter_model.safetensors")
     assert spec(*sections, runs, pairs["data"], pairs["model"]).key != key
 
 

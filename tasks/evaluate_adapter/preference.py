@@ -1,8 +1,8 @@
 """evaluate_adapter for preference data (prepare_data formats preference and unpaired_preference).
 
-On the held-out pairs, for the base model and for base + adapter, each answer's log-probability given its
-prompt (summed over the answer's tokens). The reward of an answer is the model's log-probability minus the
-base model's (TRL's implicit DPO reward with the base as reference, without beta):
+On the held-out pairs, for the base model, base + adapter and (when there is one to score) base + champion,
+each answer's log-probability given its prompt (summed over the answer's tokens). The reward of an answer is
+the model's log-probability minus the base model's (TRL's implicit DPO reward with the base as reference, without beta):
 
 - reward accuracy: the share of pairs where reward(chosen) > reward(rejected) (ties count half, so the base
   model, whose rewards are all 0, scores exactly 0.5); for rated single answers, the share whose reward has the
@@ -24,9 +24,10 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter.generation import greedy_generate, score
 
 
-def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path
-             ) -> tuple[dict[str, Any], list[str], list[list[int]], dict[str, Any], dict[str, Any]]:
-    """(metrics, reference answers, prompts, base results, tuned results) on the eval split."""
+def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path, champion: Path | None = None
+             ) -> tuple[dict[str, Any], list[str], list[list[int]], dict[str, dict[str, Any]]]:
+    """(metrics, reference answers, prompts, results by model) on the eval split: base, tuned and, given the
+    champion's adapter folder, the champion (rewards of each against the same base log-probabilities)."""
     import pyarrow.parquet as pq
     from peft import PeftModel
 
@@ -49,15 +50,18 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path
     model = load_quantized(model_dir)
     pad = tokenizer.pad_token_id or 0
     results = {}
-    for name in ("base", "tuned"):
-        if name == "tuned":
-            model = PeftModel.from_pretrained(model, adapter_dir / "adapter")
+    for name in ("base", "tuned", "champion")[:3 if champion else 2]:
+        if name == "tuned":  # adapters attached by name to the one 4-bit base
+            model = PeftModel.from_pretrained(model, adapter_dir / "adapter", adapter_name="tuned")
+        if name == "champion":
+            model.load_adapter(champion, adapter_name="champion")
+            model.set_adapter("champion")
         logps, counts = answer_logps(model, answers, args.per_device_eval_batch_size, pad)
         generated = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens, pad, eos)
         results[name] = {"logps": logps, "counts": counts,
                          "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in generated]}
     labels = None if paired else [bool(r["label"]) for r in rows]
-    return _metrics(results, len(rows), labels, refs, args), refs, prompts, results["base"], results["tuned"]
+    return _metrics(results, len(rows), labels, refs, args), refs, prompts, results
 
 
 def answer_logps(model: Any, answers: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int

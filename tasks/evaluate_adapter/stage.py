@@ -1,8 +1,9 @@
-"""evaluate_adapter: base vs base + adapter on the held-out split -> metrics.json, samples.jsonl.
+"""evaluate_adapter: base vs base + adapter (vs the champion) on the held-out split -> metrics.json, samples.jsonl.
 
-Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model) and the adapter
-(train_adapter). For the base model and then for the same model with the adapter, on the very same
-batches and prompts:
+Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model), the adapter
+(train_adapter) and, when the registry named by export.name has a champion on the same base model, that
+champion's adapter. For the base model, then the same model with the adapter, then with the champion's
+adapter instead (one 4-bit base, adapters attached by name), on the very same batches and prompts:
 
 - the token-weighted mean loss over label tokens, and its perplexity;
 - greedy answers to the first eval.generation_samples prompts (the tokens before each example's first
@@ -10,9 +11,12 @@ batches and prompts:
 - optionally lm-evaluation-harness tasks (eval.lm_eval_tasks) when lm_eval is installed.
 
 Everything is deterministic (eval mode, greedy decoding, fixed batches): the same adapter and data give
-the same numbers. Writes metrics.json, samples.jsonl (prompt, reference, base and tuned answers, their
-scores), lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the
-samples also go to a Prefect table artifact.
+the same numbers. The champion's identity (its adapter files' content) is in the cache key, so a new
+champion means a new evaluation; an adapter already published is judged against the champion it was judged
+against then (tasks/registry.py judged_against), so a re-run after its own promotion stays cached. Writes
+metrics.json, samples.jsonl (prompt, reference, base, tuned and champion answers, their scores),
+lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go to
+a Prefect table artifact.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from prefect import task
 
-from tasks import artifacts
+from tasks import artifacts, registry
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
@@ -33,36 +37,54 @@ from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
 from tasks.runtime import load_quantized, load_tokenizer
 
 VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
 
 
-def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> StageSpec:
-    """Cache-key inputs: eval settings and the three upstream stages."""
+def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
+         champion: str | None = None) -> StageSpec:
+    """Cache-key inputs: eval settings, the three upstream stages and the identity of the champion scored beside
+    the adapter (registry `champion`, i.e. export.name; no entry when none is scored, so keys stay as before)."""
+    judged = _judged_against(champion, runs_dir, model_dir, adapter_dir)[0]
     return StageSpec(stage="evaluate_adapter", version=VERSION, runs_dir=runs_dir,
-                     params={"eval": args.model_dump()},
+                     params={"eval": args.model_dump(), **({"champion": registry.identity(judged)} if judged else {})},
                      upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir),
                                "train_adapter": Path(adapter_dir)})
 
 
+def _judged_against(name: str | None, runs_dir: Path, model_dir: str, adapter_dir: str
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """(the champion's version record, '') when registry `name` has one to score on this run's data, else
+    (None, why not)."""
+    root = registry.registry_dir(runs_dir, name) if name else None
+    if root is None or registry.champion(root) is None:
+        return None, "no champion yet"
+    record, why = registry.judged_against(root, upstream_key(adapter_dir), registry.base_identity(Path(model_dir)))
+    return (None, why) if why else (record, "")
+
+
 @task(name="evaluate_adapter", **stage_task_options(spec))
-def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
-    """Eval loss, perplexity and generation metrics of the base model and of base + adapter."""
-    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage:
+def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
+                     champion: str | None = None) -> str:
+    """Eval loss, perplexity and generation metrics of the base model, base + adapter and base + champion."""
+    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, champion)) as stage:
         if stage.done:
             return str(stage.dir)
-        from peft import PeftModel
-
+        judged, why = _judged_against(champion, runs_dir, model_dir, adapter_dir)
+        rival = registry.registry_dir(runs_dir, champion) / judged["version"] if judged else None
+        if judged is None and why != "no champion yet":
+            logger().warning("evaluate_adapter: the champion is not scored on this run's data: %s; the promotion "
+                             "gate falls back to its own night's numbers", why)
         data = read_manifest(Path(data_dir))
         if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
-            metrics, refs, prompts, base, tuned = preference.evaluate(args, Path(data_dir), Path(model_dir),
-                                                                      Path(adapter_dir))
+            metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
+                                                                  Path(adapter_dir), rival)
+            metrics.update(_rival(judged))
             tokenizer = load_tokenizer(Path(model_dir))
-            samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs,
-                               base["answers"], tuned["answers"])
-            outputs = _write(stage.dir, metrics, samples, base, tuned, False)
+            samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+            outputs = _write(stage.dir, metrics, samples, results, False)
             logger().info("evaluate_adapter: %s", json.dumps(metrics))
             artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the "
                             "base model and by base + adapter, scored against the chosen answer")
@@ -79,14 +101,12 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
         logger().info("evaluate_adapter: %d eval examples in %d batches, %d greedy answers, base model then "
                       "base + adapter", count, len(batches), len(prompts))
-        base = _evaluate("base", model, tokenizer, batches, prompts, args, run_lm_eval)
-        tuned = _evaluate("tuned", PeftModel.from_pretrained(model, Path(adapter_dir) / "adapter"), tokenizer,
-                          batches, prompts, args, run_lm_eval)
+        results = _evaluate_all(model, Path(adapter_dir) / "adapter", rival, tokenizer, batches, prompts, args,
+                                run_lm_eval)
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
-        samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs,
-                           base["answers"], tuned["answers"])
-        metrics = _metrics(base, tuned, refs, count, args)
-        outputs = _write(stage.dir, metrics, samples, base, tuned, run_lm_eval)
+        samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+        metrics = {**_metrics(results, refs, count, args), **_rival(judged)}
+        outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
         logger().info("evaluate_adapter: %s", _readable(metrics))
         artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
                        f"model and by base + adapter (max {args.max_new_tokens} new tokens)")
@@ -112,6 +132,26 @@ def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
+def _evaluate_all(model: Any, adapter: Path, rival: Path | None, tokenizer: Any, batches: list[dict[str, Any]],
+                  prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool) -> dict[str, dict[str, Any]]:
+    """base, tuned and (with a rival) champion results on one 4-bit base: the adapters attached by name."""
+    from peft import PeftModel
+
+    results = {"base": _evaluate("base", model, tokenizer, batches, prompts, args, run_lm_eval)}
+    tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
+    results["tuned"] = _evaluate("tuned", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+    if rival is not None:
+        tuned.load_adapter(rival, adapter_name="champion")
+        tuned.set_adapter("champion")
+        results["champion"] = _evaluate("champion", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+    return results
+
+
+def _rival(judged: dict[str, Any] | None) -> dict[str, Any]:
+    """Which champion was scored: its version and identity (the gate checks it is still the champion)."""
+    return {"judged_against": judged["version"], "champion_adapter": registry.identity(judged)} if judged else {}
+
+
 def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
               args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
     start = time.perf_counter()
@@ -131,23 +171,27 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
             "lm_eval": _lm_eval(model, tokenizer, args) if run_lm_eval else None}
 
 
-def _samples(prompts: list[str], refs: list[str], base: list[str], tuned: list[str]) -> list[dict[str, Any]]:
-    return [{"prompt": p, "reference": r, "base_output": b, "tuned_output": t,
-             "base_exact_match": exact_match(b, r), "tuned_exact_match": exact_match(t, r),
-             "base_rouge_l": round(rouge_l(b, r), 4), "tuned_rouge_l": round(rouge_l(t, r), 4)}
-            for p, r, b, t in zip(prompts, refs, base, tuned, strict=True)]
+def _samples(prompts: list[str], refs: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per greedy prompt: the reference, then each model's answer (base, tuned[, champion]), then scores."""
+    rows = []
+    for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+        answers = {who: r["answers"][i] for who, r in results.items()}
+        rows.append({"prompt": prompt, "reference": ref, **{f"{w}_output": a for w, a in answers.items()},
+                     **{f"{w}_exact_match": exact_match(a, ref) for w, a in answers.items()},
+                     **{f"{w}_rouge_l": round(rouge_l(a, ref), 4) for w, a in answers.items()}})
+    return rows
 
 
-def _metrics(base: dict[str, Any], tuned: dict[str, Any], refs: list[str], count: int, args: EvalArgs
-             ) -> dict[str, Any]:
-    b, t = score(base["answers"], refs), score(tuned["answers"], refs)
-    metrics = {"base_eval_loss": base["loss"], "tuned_eval_loss": tuned["loss"],
-               "base_perplexity": math.exp(base["loss"]), "tuned_perplexity": math.exp(tuned["loss"]),
-               "eval_examples": count, "eval_tokens": base["tokens"],
-               "relative_improvement": (base["loss"] - tuned["loss"]) / base["loss"],
-               "base_exact_match": b["exact_match"], "tuned_exact_match": t["exact_match"],
-               "base_rouge_l": b["rouge_l"], "tuned_rouge_l": t["rouge_l"],
-               "generation_samples": len(refs), "max_new_tokens": args.max_new_tokens}
+def _metrics(results: dict[str, dict[str, Any]], refs: list[str], count: int, args: EvalArgs) -> dict[str, Any]:
+    base, tuned = results["base"], results["tuned"]
+    metrics = {f"{who}_eval_loss": r["loss"] for who, r in results.items()}
+    metrics.update({f"{who}_perplexity": math.exp(r["loss"]) for who, r in results.items()})
+    metrics.update(eval_examples=count, eval_tokens=base["tokens"],
+                   relative_improvement=(base["loss"] - tuned["loss"]) / base["loss"])
+    scored = {who: score(r["answers"], refs) for who, r in results.items()}
+    metrics.update({f"{who}_exact_match": s["exact_match"] for who, s in scored.items()})
+    metrics.update({f"{who}_rouge_l": s["rouge_l"] for who, s in scored.items()})
+    metrics.update(generation_samples=len(refs), max_new_tokens=args.max_new_tokens)
     if args.lm_eval_tasks:
         metrics["lm_eval"] = "lm_eval.json" if base["lm_eval"] is not None else "skipped: lm_eval not installed"
     return metrics
@@ -161,16 +205,19 @@ def _readable(m: dict[str, Any]) -> str:
     if m["generation_samples"]:
         text += (f"; {m['generation_samples']} greedy answers: exact match {m['base_exact_match']:.3f} -> "
                  f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
+    if m.get("judged_against"):
+        text += (f"; champion {m['judged_against']} on the same data: eval loss {m['champion_eval_loss']:.4f}"
+                 + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else ""))
     return text
 
 
-def _write(folder: Path, metrics: dict[str, Any], samples: list[dict[str, Any]], base: dict[str, Any],
-           tuned: dict[str, Any], run_lm_eval: bool) -> list[str]:
+def _write(folder: Path, metrics: dict[str, Any], samples: list[dict[str, Any]], results: dict[str, dict[str, Any]],
+           run_lm_eval: bool) -> list[str]:
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     if not run_lm_eval:
         return ["metrics.json", "samples.jsonl"]
-    (folder / "lm_eval.json").write_text(json.dumps({"base": base["lm_eval"], "tuned": tuned["lm_eval"]},
+    (folder / "lm_eval.json").write_text(json.dumps({who: r["lm_eval"] for who, r in results.items()},
                                                     indent=2, default=str))
     return ["metrics.json", "samples.jsonl", "lm_eval.json"]
 

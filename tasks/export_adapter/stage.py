@@ -36,7 +36,7 @@ from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
 # 4: export.gguf (gguf/ files, Modelfile)
-VERSION = "4"  # 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
+VERSION = "4"  # 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]
@@ -76,23 +76,25 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         outputs += ggufs
         card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
-        eval_metrics = manifests["evaluate_adapter"].metrics.model_dump()
-        record = registry.publish(registry.registry_dir(runs_dir, args.name), stage.dir, stage.key, eval_metrics,
-                                  args.promotion_margin, manifests["prepare_data"].key, card)
+        eval_metrics = manifests["evaluate_adapter"].metrics.model_dump(exclude_unset=True)
+        root = registry.registry_dir(runs_dir, args.name)
+        lineage = {"base_model": registry.base_identity(Path(model_dir)), "adapter_key": manifests["train_adapter"].key}
+        record = registry.publish(root, stage.dir, stage.key, eval_metrics, args.promotion_margin,
+                                  manifests["prepare_data"].key, card, lineage)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
         published = [f"{registry.PUBLISHED}/README.md", f"{registry.PUBLISHED}/{registry.VERSION_FILE}"]
-        stage.finish([*outputs, "run_config.yaml", "README.md", *published], _stage_metrics(args.name, record))
+        stage.finish([*outputs, "run_config.yaml", "README.md", *published], _stage_metrics(root, args.name, record))
         return str(stage.dir)
 
 
-def _stage_metrics(name: str, record: dict[str, Any]) -> dict[str, Any]:
+def _stage_metrics(root: Path, name: str, record: dict[str, Any]) -> dict[str, Any]:
     """The verdict, flat, for the manifest and the run summary."""
-    now = registry.champion(Path(record["path"]).parent)
-    return {"export_name": name, "export_version": record["version"], "export_path": record["path"],
+    now = registry.champion(root)
+    return {"export_name": name, "export_version": record["version"], "export_path": str(root / record["version"]),
             "promotion": record["promotion"], "promotion_reason": record["reason"],
             "champion_version": now and now["version"],
-            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"]}
+            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"], "gate_rule": record.get("rule")}
 
 
 def _fmt(value: Any) -> str:
@@ -171,8 +173,13 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     metrics = manifests["evaluate_adapter"].metrics.model_dump()
     base, quant = config["model"]["base_model"], config["model"]
     revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
-    table = "\n".join(f"| {label} | {_fmt(metrics.get('base_' + key))} | {_fmt(metrics.get('tuned_' + key))} |"
+    judged = metrics.get("judged_against")
+    who = ["base", *(["champion"] if judged else []), "tuned"]
+    table = "\n".join(f"| {label} | " + " | ".join(_fmt(metrics.get(f"{w}_{key}")) for w in who) + " |"
                       for label, key in METRIC_ROWS)
+    header = "| metric | base |" + (f" champion {judged} |" if judged else "") + " tuned (this adapter) |"
+    header += "\n|---|---|---|" + ("---|" if judged else "")
+    versus = f" vs base + the champion {judged}" if judged else ""
     verdict = "" if record is None else (f"\nRegistry: `{name}` **{record['version']}**, {record['promotion']}: "
                                          f"{record['reason']}.\n")
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
@@ -203,10 +210,9 @@ A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_typ
 
 Loss and perplexity over {metrics['eval_examples']} held-out examples ({metrics['eval_tokens']} label tokens);
 exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 0)} held-out prompts (at most
-{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter.
+{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter{versus}, in the same pass.
 
-| metric | base | tuned |
-|---|---|---|
+{header}
 {table}
 
 ## Load it

@@ -36,7 +36,9 @@ from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
 # 4: export.gguf (gguf/ files, Modelfile)
-VERSION = "4"  # 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their Conv1D layers (2: registry, merged model, generation metrics)
+# 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their Conv1D layers; 2: registry, merged model, generation
+# metrics
+VERSION = "4"
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]

@@ -107,6 +107,7 @@ class TrainMetrics(_Metrics):
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
     method: Literal["sft", "dpo", "kto"] = "sft"
+    devices: list[str] | None = None  # the GPUs of the pool it trained on (CUDA_VISIBLE_DEVICES); None: no pool
 
 
 class EvalMetrics(_Metrics):

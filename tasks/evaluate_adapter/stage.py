@@ -32,6 +32,7 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.examples import ParquetExamples, pad_collator
+from tasks.limits import cpu_share
 from tasks.log import logger
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest
 from tasks.runtime import load_quantized, load_tokenizer
@@ -50,7 +51,8 @@ def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_
 @task(name="evaluate_adapter", **stage_task_options(spec))
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
     """Eval loss, perplexity and generation metrics of the base model and of base + adapter."""
-    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage:
+    # this run's share of the host's cores for torch (tasks/limits.py)
+    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage, cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)
         from peft import PeftModel

@@ -5,10 +5,11 @@
 One Prefect server for all of them (`prefect server start` on a free localhost port, SQLite in a temporary
 PREFECT_HOME, set up with `qlora-pipeline setup`: on a machine without GPUs the pool is one slot, so trainings
 take turns, and `qlora-cpu` counts the runs computing), every run pointed at it with PREFECT_API_URL and given a
-runs_dir of its own (nothing is shared or cached between runs). Times, per scenario:
+runs_dir of its own (nothing is shared or cached between runs). Times, per scenario (in this order, each
+written to --out as soon as it is measured):
+  concurrent  --runs runs started at once;
   alone       one run;
-  sequential  --runs runs, one after another;
-  concurrent  --runs runs started at once.
+  sequential  --runs runs, one after another.
 Wall time, and total CPU time (user + sys) of the runs' processes and everything they started (their torchrun
 ranks, tokenizer workers), from os.wait4; the server's own CPU time beside it. Target (issue 26): concurrent wall
 at most about runs x alone, concurrent CPU no more than sequential. Not a test: figures depend on the machine.
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +65,8 @@ def wait_all(procs: list[subprocess.Popen]) -> float:
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
-            raise SystemExit(f"a run failed (exit {proc.returncode}): see {proc.args}")
+            raise SystemExit(f"a run failed (exit {proc.returncode}): {' '.join(map(str, proc.args))}; its log is "
+                             "beside its runs_dir")
         total += usage.ru_utime + usage.ru_stime
     return total
 
@@ -79,7 +81,8 @@ def scenario(name: str, count: int, at_once: bool, env: dict[str, str], work: Pa
             cpu += wait_all(start_runs(1, env, work, f"{name}{i}"))
     wall = time.monotonic() - start
     result = {"runs": count, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-              "server_cpu_s": round(cpu_seconds(server) - server_before, 1)}
+              "server_cpu_s": round(cpu_seconds(server) - server_before, 1),
+              "load_average_after": [round(x, 1) for x in os.getloadavg()]}  # other work on the host shows here
     print(f"{name:11} {count} run(s): wall {wall:7.1f} s   CPU {cpu:7.1f} s   server CPU "
           f"{result['server_cpu_s']:6.1f} s", flush=True)
     return result
@@ -89,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
-                        f"{datetime.now(timezone.utc):%Y-%m-%d}-cpu-shared-host.json")
+                        f"{datetime.now(UTC):%Y-%m-%d}-cpu-shared-host.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-shared-host-"))
     port = free_port()
@@ -110,21 +113,23 @@ def main() -> None:
                 time.sleep(2)
         subprocess.run([sys.executable, "-m", "deployments.cli", "setup"], cwd=ROOT, env=env, check=True)
         print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
-        results = {"alone": scenario("alone", 1, False, env, work, server.pid),
-                   "sequential": scenario("sequential", args.runs, False, env, work, server.pid),
-                   "concurrent": scenario("concurrent", args.runs, True, env, work, server.pid)}
+        record = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(UTC).isoformat(),
+                  "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
+                              "python": platform.python_version(), "load_average_before": os.getloadavg()[0]},
+                  "server": "one shared `prefect server start` (SQLite), set up by `qlora-pipeline setup`"}
+        # the most telling pair first, each written as soon as measured (a long bench may be stopped)
+        for name, count, at_once in (("concurrent", args.runs, True), ("alone", 1, False),
+                                     ("sequential", args.runs, False)):
+            record[name] = scenario(name, count, at_once, env, work, server.pid)
+            args.out.write_text(json.dumps(record, indent=2) + "\n")
     finally:
         server.terminate()
         server.wait(60)
-    alone, seq, conc = results["alone"], results["sequential"], results["concurrent"]
-    summary = {"concurrent_wall_over_alone": round(conc["wall_s"] / alone["wall_s"], 2),
+    alone, seq, conc = record["alone"], record["sequential"], record["concurrent"]
+    record |= {"concurrent_wall_over_alone": round(conc["wall_s"] / alone["wall_s"], 2),
                "concurrent_cpu_over_sequential": round(conc["cpu_s"] / seq["cpu_s"], 2)}
-    print(f"concurrent wall / alone: {summary['concurrent_wall_over_alone']}x (target <= about {args.runs}x); "
-          f"concurrent CPU / sequential: {summary['concurrent_cpu_over_sequential']}x (target <= 1)")
-    record = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(timezone.utc).isoformat(),
-              "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              "server": "one shared `prefect server start` (SQLite), set up by `qlora-pipeline setup`",
-              **results, **summary}
+    print(f"concurrent wall / alone: {record['concurrent_wall_over_alone']}x (target <= about {args.runs}x); "
+          f"concurrent CPU / sequential: {record['concurrent_cpu_over_sequential']}x (target <= 1)")
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -110,11 +110,19 @@ def _pool() -> tuple[int, bool]:
     """The pool's size and whether it has device limits; (1, False) when the limit is missing (the strict
     acquisition then says what to do)."""
     from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        limits = {limit.name: limit.limit for limit in client.read_global_concurrency_limits(limit=200)}
-    size = limits.get(GPU_LIMIT, 1)
-    return size, size > 0 and all(device_limit(i) in limits for i in range(size)) and PLACEMENT_LIMIT in limits
+        try:
+            size = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+        except ObjectNotFound:
+            return 1, False
+        try:
+            for name in (PLACEMENT_LIMIT, *map(device_limit, range(size))):
+                client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:  # a CPU-only pool, or one set up before devices had limits
+            return size, False
+    return size, size > 0
 
 
 def _take(held: ExitStack, name: str, slots: int) -> None:

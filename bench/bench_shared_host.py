@@ -1,6 +1,6 @@
 """Runs that share a host: four default `qlora-pipeline run`s at once against one alone and four in sequence.
 
-    python bench/bench_shared_host.py [--runs 4] [--out bench/results/DATE-cpu-shared-host.json]
+    python bench/bench_shared_host.py [--runs 4] [--set SECTION.FIELD=VALUE ...] [--out bench/results/DATE-....json]
 
 One Prefect server for all of them (`prefect server start` on a free localhost port, SQLite in a temporary
 PREFECT_HOME, set up with `qlora-pipeline setup`: on a machine without GPUs the pool is one slot, so trainings
@@ -47,14 +47,15 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def start_runs(count: int, env: dict[str, str], work: Path, name: str) -> list[subprocess.Popen]:
+def start_runs(count: int, env: dict[str, str], work: Path, name: str, overrides: list[str]
+               ) -> list[subprocess.Popen]:
     procs = []
     for i in range(count):
         runs_dir = work / f"{name}-{i}"
         log = (work / f"{name}-{i}.log").open("w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "deployments.cli", "run", "--json", "--set",
-                                       f"runs_dir={runs_dir}"], cwd=ROOT, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        sets = [a for o in [f"runs_dir={runs_dir}", *overrides] for a in ("--set", o)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "deployments.cli", "run", "--json", *sets], cwd=ROOT,
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
@@ -71,14 +72,15 @@ def wait_all(procs: list[subprocess.Popen]) -> float:
     return total
 
 
-def scenario(name: str, count: int, at_once: bool, env: dict[str, str], work: Path, server: int) -> dict:
+def scenario(name: str, count: int, at_once: bool, env: dict[str, str], work: Path, server: int,
+             overrides: list[str]) -> dict:
     server_before, start = cpu_seconds(server), time.monotonic()
     cpu = 0.0
     if at_once:
-        cpu = wait_all(start_runs(count, env, work, name))
+        cpu = wait_all(start_runs(count, env, work, name, overrides))
     else:
         for i in range(count):
-            cpu += wait_all(start_runs(1, env, work, f"{name}{i}"))
+            cpu += wait_all(start_runs(1, env, work, f"{name}{i}", overrides))
     wall = time.monotonic() - start
     result = {"runs": count, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
               "server_cpu_s": round(cpu_seconds(server) - server_before, 1),
@@ -91,6 +93,8 @@ def scenario(name: str, count: int, at_once: bool, env: dict[str, str], work: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="passed to every run (default: none, the default run)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"{datetime.now(UTC):%Y-%m-%d}-cpu-shared-host.json")
     args = parser.parse_args()
@@ -116,11 +120,12 @@ def main() -> None:
         record = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(UTC).isoformat(),
                   "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
                               "python": platform.python_version(), "load_average_before": os.getloadavg()[0]},
-                  "server": "one shared `prefect server start` (SQLite), set up by `qlora-pipeline setup`"}
+                  "server": "one shared `prefect server start` (SQLite), set up by `qlora-pipeline setup`",
+                  "overrides": args.overrides}
         # the most telling pair first, each written as soon as measured (a long bench may be stopped)
         for name, count, at_once in (("concurrent", args.runs, True), ("alone", 1, False),
                                      ("sequential", args.runs, False)):
-            record[name] = scenario(name, count, at_once, env, work, server.pid)
+            record[name] = scenario(name, count, at_once, env, work, server.pid, args.overrides)
             args.out.write_text(json.dumps(record, indent=2) + "\n")
     finally:
         server.terminate()

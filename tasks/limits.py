@@ -85,7 +85,7 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
         yield None
         return
     size, devices = _pool()
-    wanted = min(gpus, size) if devices else 1  # without devices, the one slot means one training at a time
+    wanted = gpus if devices else 1  # without devices, the one slot means one training at a time
     if devices and gpus > size:
         raise UserError(f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU "
                         f"of the worker. Set speed.num_gpus to {size} or less, or size the pool with "

@@ -6,7 +6,7 @@
     qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
     qlora-pipeline presets
     qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
-    qlora-pipeline setup [--notify-url URL]     # work pool, GPU concurrency limit, failure automation
+    qlora-pipeline setup [--gpus N] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
     qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--runs-dir", type=Path, default=None, help="runs_dir (default: the default config's)")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
+    setup.add_argument("--gpus", type=int, help="GPUs of the worker for the GPU pool (default: those visible here, "
+                       "CUDA_VISIBLE_DEVICES honoured; 0: one slot, one training at a time)")
     deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
     deploy.add_argument("--git", metavar="URL", help="flow runs clone this repository instead of running in the "
                         "worker's checkout (the worker's directory)")
@@ -125,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _setup(args: argparse.Namespace) -> int:
     from deployments import setup
+    from tasks.limits import visible_gpus
 
     if args.command == "deploy":
         return setup.deploy(args.git, args.branch)
     print(setup.ensure_work_pool())
-    print(setup.ensure_gpu_limit())
+    if args.gpus is not None and args.gpus < 0:
+        return _user_error(f"--gpus {args.gpus}: give the number of GPUs of the worker, 0 or more.")
+    print(setup.ensure_gpu_limit(args.gpus if args.gpus is not None else len(visible_gpus())))
     if args.notify_url:
         print(setup.apply_automations(args.notify_url))
     else:

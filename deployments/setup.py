@@ -1,4 +1,4 @@
-"""One-time server setup: work pool, the GPU concurrency limit, the failure automation; and deploying.
+"""One-time server setup: work pool, the GPU pool (concurrency limits), the failure automation; and deploying.
 
 Idempotent: each step creates what is missing and leaves what exists.
 """
@@ -10,11 +10,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tasks.config import PROJECT_ROOT
-from tasks.limits import GPU_LIMIT
+from tasks.limits import CPU_COUNTER_SLOTS, CPU_LIMIT, GPU_LIMIT, PLACEMENT_LIMIT, device_limit, visible_gpus
 
 HERE = Path(__file__).resolve().parent
 WORK_POOL = "qlora-process"
@@ -22,19 +23,45 @@ NOTIFY_BLOCK = "qlora-pipeline-alerts"
 ROOT_VARIABLE = "QLORA_PIPELINE_ROOT"  # the checkout a worker runs flows in (prefect.yaml's pull step)
 
 
-def ensure_gpu_limit() -> str:
-    """Create the global concurrency limit (1 slot) that train_adapter takes; say what happened."""
+def ensure_gpu_limit(gpus: int | None = None) -> str:
+    """Create the GPU pool and the CPU counter (tasks/limits.py) where missing; say what happened.
+
+    `gpus`: size the pool to that many GPUs, resizing an existing one (`setup --gpus N`; `setup` passes the
+    worker's visible GPUs). None: create what is missing, sized to this machine's GPUs, and leave an existing pool
+    as it is (what `qlora-pipeline run` does before a run: it may run on another machine than the worker).
+    """
     from prefect import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-            return f"concurrency limit {GPU_LIMIT!r} exists"
-        except ObjectNotFound:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=1))
-            return f"created concurrency limit {GPU_LIMIT!r} (1 slot)"
+        existing = {limit.name: limit for limit in client.read_global_concurrency_limits(limit=200)}
+        if gpus is None and GPU_LIMIT in existing:
+            gpus = sum(device_limit(i) in existing for i in range(existing[GPU_LIMIT].limit))
+        gpus = len(visible_gpus()) if gpus is None else gpus
+        wanted = {GPU_LIMIT: max(gpus, 1), CPU_LIMIT: CPU_COUNTER_SLOTS}  # 0 GPUs: one slot, one training at a time
+        if gpus:
+            wanted |= {PLACEMENT_LIMIT: 1, **{device_limit(i): 1 for i in range(gpus)}}
+        done = [_ensure_limit(client, name, slots, existing.get(name)) for name, slots in wanted.items()]
+        stale = [n for n in existing if n.startswith(f"{GPU_LIMIT}-") and n not in wanted and n != PLACEMENT_LIMIT]
+        for name in stale:  # devices of a larger pool before
+            client.delete_global_concurrency_limit_by_name(name)
+    changed = [d for d in done if d] + [f"deleted {n!r}" for n in stale]
+    pool = f"{gpus} GPU(s): {GPU_LIMIT!r} {max(gpus, 1)} slot(s)" + (
+        f", {device_limit(0)!r} .. {device_limit(gpus - 1)!r}" if gpus else " (CPU-only: one training at a time)")
+    return f"GPU pool for {pool}; {CPU_LIMIT!r} counts the runs sharing the host's cores" + (
+        f" ({'; '.join(changed)})" if changed else " (all existed)")
+
+
+def _ensure_limit(client: Any, name: str, slots: int, existing: Any) -> str:
+    """Create `name` with `slots` slots, or resize it; what was done ('' when nothing)."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+
+    if existing is None:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+        return f"created {name!r}"
+    if existing.limit != slots:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=slots))
+        return f"resized {name!r} {existing.limit} -> {slots}"
+    return ""
 
 
 def ensure_work_pool(name: str = WORK_POOL) -> str:

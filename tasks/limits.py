@@ -1,4 +1,25 @@
-"""The global concurrency limit that lets only one training use the GPU at a time."""
+"""The GPU pool and the host's CPU share, both on Prefect's global concurrency limits (nothing home-made).
+
+GPU pool (`qlora-pipeline setup [--gpus N]` creates it; README: Operating it with Prefect):
+
+- `qlora-gpu`, N slots (one per GPU of the worker; 1 slot on a worker without GPUs): a training run takes as many
+  slots as it uses GPUs, so it waits, shown as "Waiting for GPU", until that many are free;
+- `qlora-gpu-0` ... `qlora-gpu-<N-1>`, 1 slot each: which GPU a run holds. Prefect's slots have no identity, so
+  a run that was granted k slots of `qlora-gpu` takes k free device limits, under `qlora-gpu-placement` (1 slot)
+  so that two runs never pick the same free device at once. Device slots are taken only while holding as many
+  `qlora-gpu` slots and released before them: a run that holds k counting slots always finds k free devices.
+  Device i is the i-th entry of the worker's visible GPUs (visible_gpus: CUDA_VISIBLE_DEVICES when set, which is
+  also how tests simulate a 2-GPU worker on a CPU machine), and the run's training processes get exactly those
+  in their CUDA_VISIBLE_DEVICES.
+
+A pool without device limits (0 GPUs, or a server set up before the pool existed) is today's single slot: one
+training at a time, on whatever this process sees, and gpu_slot yields None.
+
+CPU share (cpu_share, cpu_threads): `qlora-cpu` is a counter, not a gate (CPU_COUNTER_SLOTS): every process that
+trains or evaluates holds one slot while it computes, so its active slots are the runs computing on this host now,
+and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share;
+without a Prefect server the 1-minute load average estimates how many runs compete.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +34,31 @@ from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
+PLACEMENT_LIMIT = "qlora-gpu-placement"
+CPU_LIMIT = "qlora-cpu"
+CPU_COUNTER_SLOTS = 10_000  # a counter: never reached, so nobody waits for it
 LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts
 WAITING_STATE = "Waiting for GPU"
+THREADS_VARIABLE = "QLORA_CPU_THREADS"  # an explicit thread count per process, over the share
+
+
+def device_limit(index: int) -> str:
+    """The 1-slot limit that stands for the index-th visible GPU of the worker."""
+    return f"{GPU_LIMIT}-{index}"
+
+
+def visible_gpus() -> list[str]:
+    """The worker's GPUs as CUDA_VISIBLE_DEVICES names them: its entries when it is set (ids or UUIDs; on a machine
+    without CUDA this is how a test simulates GPUs), else 0 .. torch.cuda.device_count()-1."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    count = torch.cuda.device_count()
+    if listed is None:
+        return [str(i) for i in range(count)]
+    entries = [e.strip() for e in listed.split(",") if e.strip()]
+    # CUDA stops at the first entry it cannot use; where CUDA runs, the pool hands out only what it sees
+    return entries[:count] if torch.cuda.is_available() else entries
 
 
 def uses_server() -> bool:
@@ -31,38 +75,106 @@ def uses_server() -> bool:
 
 
 @contextmanager
-def gpu_slot() -> Iterator[None]:
-    """Hold the one GPU-training slot while training; strict, so a missing limit is an error.
+def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
+    """Hold `gpus` slots of the GPU pool while training; yields the GPUs held (CUDA_VISIBLE_DEVICES entries for
+    the training processes), or None where there is no pool of devices (no server, outside a flow run, a pool
+    without device limits: one slot, on whatever this process sees). Strict: a missing limit is an error.
 
     A run that has to wait says so: a log line, and its train_adapter task run shows the state "Waiting for GPU"
-    (type Pending) until the slot frees, then Running again. Outside a flow run (a stage called through .fn()),
-    or without a Prefect server, there is nothing to hold.
+    (type Pending) until the slots free, then Running again.
     """
     if current_run_attempt() is None or not uses_server():
-        yield
+        yield None
         return
+    size, devices = _pool()
+    wanted = gpus if devices else 1  # without devices, the one slot means one training at a time
+    if devices and gpus > size:
+        raise UserError(f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU "
+                        f"of the worker. Set speed.num_gpus to {size} or less, or size the pool with "
+                        f"`qlora-pipeline setup --gpus {gpus}` on a worker with that many GPUs.")
+    with ExitStack() as held:
+        _take(held, GPU_LIMIT, wanted)
+        if not devices:
+            yield None
+            return
+        names = visible_gpus()
+        if len(names) < size:
+            raise UserError(f"The GPU pool ({GPU_LIMIT!r}) has {size} slots, but this worker sees {len(names)} "
+                            f"GPU(s) ({', '.join(names) or 'none'}). Run `qlora-pipeline setup --gpus "
+                            f"{len(names)}` (or start the worker where CUDA_VISIBLE_DEVICES lists {size} GPUs).")
+        mine = [names[i] for i in _place(held, wanted, size)]
+        logger().info("train_adapter: holds GPU(s) %s of the pool (%d of %d slots of %r; CUDA_VISIBLE_DEVICES=%s "
+                      "for its training processes)", ", ".join(mine), wanted, size, GPU_LIMIT, ",".join(mine))
+        yield mine
+
+
+def _pool() -> tuple[int, bool]:
+    """The pool's size and whether it has device limits; (1, False) when the limit is missing (the strict
+    acquisition then says what to do)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            size = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+        except ObjectNotFound:
+            return 1, False
+        try:
+            for name in (PLACEMENT_LIMIT, *map(device_limit, range(size))):
+                client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:  # a CPU-only pool, or one set up before devices had limits
+            return size, False
+    return size, size > 0
+
+
+def _take(held: ExitStack, name: str, slots: int) -> None:
+    """Take `slots` slots of `name` into `held`, saying so while it waits."""
     from prefect.concurrency.sync import concurrency
 
-    # A short lease, renewed in the background while training runs: a run killed with -9 frees the slot
+    # A short lease, renewed in the background while training runs: a run killed with -9 frees its slots
     # within LEASE_SECONDS instead of blocking the next run; a renewal hiccup does not kill the training.
-    options = {"occupy": 1, "strict": True, "lease_duration": LEASE_SECONDS, "raise_on_lease_renewal_failure": False}
-    with ExitStack() as held:
-        try:
-            started = _say_waiting() if _slot_taken() else None
-            held.enter_context(concurrency(GPU_LIMIT, **options))
-            if started is not None:
-                _say_running(started)
-        except Exception as exc:
-            if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
-                raise
-            raise UserError(f"Training could not take the GPU slot of the global concurrency limit {GPU_LIMIT!r}: "
-                            f"{exc}. If the limit does not exist on this Prefect server, run `qlora-pipeline "
-                            "setup` once.") from exc
-        yield
+    options = {"occupy": slots, "strict": True, "lease_duration": LEASE_SECONDS,
+               "raise_on_lease_renewal_failure": False}
+    try:
+        started = _say_waiting(slots) if name == GPU_LIMIT and _slots_taken(slots) else None
+        held.enter_context(concurrency(name, **options))
+        if started is not None:
+            _say_running(started)
+    except Exception as exc:
+        if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
+            raise
+        raise UserError(f"Training could not take the GPU slot of the global concurrency limit {name!r}: "
+                        f"{exc}. If the limit does not exist on this Prefect server, run `qlora-pipeline "
+                        "setup` once.") from exc
 
 
-def _slot_taken() -> bool:
-    """True when another run holds the slot now (a timed acquire instead would log an ERROR when it times out)."""
+def _place(held: ExitStack, wanted: int, size: int) -> list[int]:
+    """Take `wanted` free device limits into `held`; their indices. Runs place one at a time (PLACEMENT_LIMIT), so
+    what is read free here stays free until taken."""
+    from prefect import get_client
+
+    with ExitStack() as placing:
+        _take(placing, PLACEMENT_LIMIT, 1)
+        deadline = time.monotonic() + 2 * LEASE_SECONDS  # a killed run's device lease lapses within LEASE_SECONDS
+        while True:
+            with get_client(sync_client=True) as client:
+                free = [i for i in range(size)
+                        if client.read_global_concurrency_limit_by_name(device_limit(i)).active_slots == 0]
+            if len(free) >= wanted:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"train_adapter holds {wanted} slot(s) of {GPU_LIMIT!r} but only {len(free)} "
+                                   f"of its device limits are free: something other than train_adapter holds "
+                                   f"{GPU_LIMIT}-<i> slots (see Concurrency in the Prefect UI)")
+            time.sleep(1)
+        for i in free[:wanted]:
+            _take(held, device_limit(i), 1)
+    return free[:wanted]
+
+
+def _slots_taken(wanted: int) -> bool:
+    """True when fewer than `wanted` slots are free now (a timed acquire instead would log an ERROR when it times
+    out)."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -71,16 +183,17 @@ def _slot_taken() -> bool:
             limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
         except ObjectNotFound:  # the strict acquisition says what to do
             return False
-    return limit.active_slots >= limit.limit
+    return limit.active_slots + wanted > limit.limit
 
 
-def _say_waiting() -> float:
-    """Log that this run waits for the slot and show it as the task run's state; when the wait began."""
+def _say_waiting(wanted: int) -> float:
+    """Log that this run waits for the slots and show it as the task run's state; when the wait began."""
     from prefect.states import Pending
 
-    logger().info("train_adapter: waiting for the GPU: another run holds the slot of the global concurrency limit "
-                  "%r; training starts when it ends (or within %d s of it being killed)", GPU_LIMIT, LEASE_SECONDS)
-    _set_task_state(Pending(name=WAITING_STATE, message=f"Waiting for the {GPU_LIMIT!r} slot"))
+    logger().info("train_adapter: waiting for the GPU: other runs hold the slots of the global concurrency limit "
+                  "%r that it needs (%d); training starts when they end (or within %d s of them being killed)",
+                  GPU_LIMIT, wanted, LEASE_SECONDS)
+    _set_task_state(Pending(name=WAITING_STATE, message=f"Waiting for {wanted} {GPU_LIMIT!r} slot(s)"))
     return time.monotonic()
 
 
@@ -111,3 +224,64 @@ def _set_task_state(state: Any) -> None:
                     logger().warning("train_adapter: could not show the state %r in the UI", state.name)
                     return
                 time.sleep(0.5)
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads(stage: str, processes: int = 1, holding: bool = False) -> int:
+    """Threads for each of this run's `processes` on this host: an explicit QLORA_CPU_THREADS / OMP_NUM_THREADS,
+    else the run's share of the cores, cores // (runs computing now x processes), at least 1. `holding`: this run
+    already holds its `qlora-cpu` slot (cpu_share), so it is among the runs counted."""
+    for variable in (THREADS_VARIABLE, "OMP_NUM_THREADS"):
+        if (value := os.environ.get(variable, "").strip()).isdigit() and int(value) > 0:
+            logger().info("%s: %s threads per process (%s is set)", stage, value, variable)
+            return int(value)
+    cores = host_cores()
+    runs, source = _runs_computing(holding)
+    threads = max(1, cores // (runs * processes))
+    logger().info("%s: %d thread(s) per process for %d process(es): %d cores shared by %d run(s) (%s; set %s to "
+                  "choose)", stage, threads, processes, cores, runs, source, THREADS_VARIABLE)
+    return threads
+
+
+def _runs_computing(holding: bool) -> tuple[int, str]:
+    """How many runs compute on this host now, this one included, and where that figure comes from."""
+    if uses_server():
+        from prefect import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        with get_client(sync_client=True) as client:
+            try:
+                active = client.read_global_concurrency_limit_by_name(CPU_LIMIT).active_slots
+            except ObjectNotFound:
+                return 1, f"no {CPU_LIMIT!r} limit on the server: `qlora-pipeline setup` creates it"
+        return max(1, active + (0 if holding else 1)), f"active slots of the {CPU_LIMIT!r} limit"
+    # no shared server: the runs cannot see each other, only how busy the host is
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, round(load / host_cores())), f"no Prefect server: estimated from the load average {load:.1f}"
+
+
+@contextmanager
+def cpu_share(stage: str, processes: int = 1) -> Iterator[int]:
+    """Count this run among those computing on the host while the block runs (a slot of `qlora-cpu`, where there is
+    a server and a flow run) and set torch's intra-op threads to its share; yields threads per process."""
+    import torch
+
+    with ExitStack() as held:
+        holding = current_run_attempt() is not None and uses_server()
+        if holding:
+            from prefect.concurrency.sync import concurrency
+
+            # not strict: a server set up before this limit existed just shares less well
+            held.enter_context(concurrency(CPU_LIMIT, occupy=1, lease_duration=LEASE_SECONDS,
+                                           raise_on_lease_renewal_failure=False))
+        threads = cpu_threads(stage, processes, holding)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(before)

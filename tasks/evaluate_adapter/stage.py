@@ -36,6 +36,7 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.examples import ParquetExamples, pad_collator
+from tasks.limits import cpu_share
 from tasks.log import logger
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
 from tasks.runtime import load_quantized, load_tokenizer
@@ -69,7 +70,9 @@ def _judged_against(name: str | None, runs_dir: Path, model_dir: str, adapter_di
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
                      champion: str | None = None) -> str:
     """Eval loss, perplexity and generation metrics of the base model, base + adapter and base + champion."""
-    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, champion)) as stage:
+    # this run's share of the host's cores for torch (tasks/limits.py)
+    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, champion)) as stage, \
+            cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)
         judged, why = _judged_against(champion, runs_dir, model_dir, adapter_dir)

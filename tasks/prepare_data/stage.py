@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +27,7 @@ from prefect import task
 from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
+from tasks.limits import cpu_threads
 from tasks.log import logger
 from tasks.manifest import PREFERENCE_FORMATS, StageSpec, hash_json, open_stage
 from tasks.prepare_data import parts, preference
@@ -216,7 +216,8 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = N
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Tokenizer worker processes: this run's share of the host's cores (tasks/limits.py)."""
+    return cpu_threads("prepare_data (tokenizer workers)")
 
 
 class _Writer:

@@ -1,4 +1,4 @@
-"""Data-parallel train_adapter: one process per GPU through torchrun, never a home-made launcher.
+"""train_adapter in child processes: one per GPU through torchrun (never a home-made launcher), or one alone.
 
 train_adapter (the Prefect task) stays in the parent process: it takes the stage lock and the GPU slot, starts
 torchrun (`python -m tasks.train_adapter.launch launch PID --standalone --nproc_per_node N -m
@@ -7,6 +7,10 @@ and, once every rank has exited cleanly, writes the manifest from what rank 0 re
 model on its own GPU (LOCAL_RANK); the transformers Trainer wraps it in DDP, or with speed.fsdp shards it with
 FSDP2. Checkpoints, resume and the loss log are rank 0's. On a machine without GPUs the ranks are CPU processes
 with the gloo backend (how the CPU tests exercise this path). Multi-node: see the README's "Multi-GPU".
+
+A single-GPU run whose GPU came from the pool trains in one child process the same way, without torchrun: the
+flow-run process has usually initialised CUDA already (prepare_model quantizes on the GPU), after which a
+CUDA_VISIBLE_DEVICES set there no longer changes what it sees; a new process reads it when it starts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
+from tasks.limits import THREADS_VARIABLE
 from tasks.log import logger
 
 RESULT = ".rank0-result.json"  # rank 0's metrics, read by the parent
@@ -33,19 +38,28 @@ LOG = "distributed.log"  # the ranks' output, beside the checkpoints in the stag
 DUMP_STACKS_EVERY = "QLORA_DUMP_STACKS_EVERY"  # seconds; each rank then prints its Python stacks that often
 
 
-def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path, nproc: int
-           ) -> dict[str, Any]:
-    """Run the ranks under torchrun; relay their output to the log; rank 0's metrics, or the failing rank's error."""
+def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path, nproc: int,
+           devices: list[str] | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Run the ranks under torchrun (one process without it); relay their output to the log; rank 0's metrics, or
+    the failing rank's error. `devices`: the GPUs the pool gave this run, the only ones the ranks see; `threads`:
+    torch's threads per rank."""
     args_file = out / ".distributed-args.json"
     sections = {"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()}
     args_file.write_text(json.dumps({**sections, "data_dir": data_dir, "model_dir": model_dir, "out": str(out)}))
     (out / RESULT).unlink(missing_ok=True)
     # the ranks are not Prefect runs: no run context, so no artifacts or GPU slot of their own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = [sys.executable, "-m", "tasks.train_adapter.launch", "launch", str(os.getpid()), "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "tasks.train_adapter.launch", str(args_file)]
-    logger().info("train_adapter: data-parallel over %d processes: %s", nproc, " ".join(command[1:]))
+    if devices:  # set before the child starts: CUDA reads it once, when it initialises
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    env.update(OMP_NUM_THREADS=str(threads), **{THREADS_VARIABLE: str(threads)})
+    rank = ["-m", "tasks.train_adapter.launch", str(args_file)]
+    command = [sys.executable, *rank] if nproc == 1 else [
+        sys.executable, "-m", "tasks.train_adapter.launch", "launch", str(os.getpid()), "--standalone",
+        f"--nproc_per_node={nproc}", *rank]
+    logger().info("train_adapter: %s on GPU(s) %s: %s", "one process" if nproc == 1 else
+                  f"data-parallel over {nproc} processes", ",".join(devices) if devices else "none (CPU)",
+                  " ".join(command[1:]))
     tail: deque[str] = deque(maxlen=40)
     with (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
           (out / LOG).open("w", buffering=1) as log):  # the ranks' whole output, line by line (a killed run's too)
@@ -59,7 +73,7 @@ def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, mo
     if proc.returncode != 0:
         if "user_error" in locals():
             raise UserError(user_error)
-        raise RuntimeError(f"train_adapter: a rank of the {nproc}-process group failed (exit {proc.returncode}); "
+        raise RuntimeError(f"train_adapter: a rank of the {nproc}-process training failed (exit {proc.returncode}); "
                            f"all output in {out / LOG}; it ends:\n" + "\n".join(tail))
     return json.loads((out / RESULT).read_text())
 
@@ -111,10 +125,17 @@ def _rank_main(args_file: Path) -> None:
     from tasks.train_adapter.fit import fit_and_save
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
+    if threads := os.environ.get(THREADS_VARIABLE):  # the parent's share of the host for each rank
+        import torch
+
+        torch.set_num_threads(int(threads))
     if every := os.environ.get(DUMP_STACKS_EVERY):  # where a stuck rank waits: its stacks, into distributed.log
         dump_stacks_every(float(every))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    print(f"train_adapter: rank {os.environ.get('RANK', '0')} sees CUDA_VISIBLE_DEVICES="
+          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset: every GPU)')}, {threads or 'default'} torch threads",
+          flush=True)
     spec = json.loads(args_file.read_text())
     out = Path(spec["out"])
     try:

@@ -24,7 +24,7 @@ from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
-from tasks.limits import gpu_slot
+from tasks.limits import cpu_share, gpu_slot
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, files_fingerprint, open_stage, read_manifest
 from tasks.train_adapter import launch, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
@@ -68,16 +68,18 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
         processes = parallel.world_size(speed)
         asked = time.monotonic()
-        with gpu_slot():  # one training on the GPU at a time, across all runs on this Prefect server
+        # GPUs that no other run on this Prefect server holds, and this run's share of the host's cores
+        with gpu_slot(processes) as devices, cpu_share("train_adapter", processes) as threads:
             waited = round(time.monotonic() - asked, 1)  # the stage's time less this is its work (its artifact)
             refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
-            if processes > 1:
-                metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes)
+            if processes > 1 or devices:  # children that see only these GPUs
+                metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes, devices,
+                                        threads)
             else:
                 fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
                 metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
-        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited,
+        stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited, "devices": devices,
                                                       **({"tracking": refs} if refs else {})},
                      resumed_from_step=resumed)
         return str(stage.dir)

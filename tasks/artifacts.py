@@ -155,6 +155,39 @@ def run_completed(train_status: str, steps: int | None) -> None:
         _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
 
 
+def figure(columns: int = 1, size: tuple[float, float] = (6, 3.5)) -> tuple[Any, Any]:
+    """A matplotlib figure and its axes for an artifact's plot (the Agg backend: no display on servers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, columns, figsize=size, dpi=80)
+
+
+def png_bytes(fig: Any, png: Path | None = None) -> bytes:
+    """The figure as PNG bytes (also written to `png` when given), its axes gridded; the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    if png is not None:
+        png.write_bytes(buffer.getvalue())
+    return buffer.getvalue()
+
+
+def inline_png(image: bytes, alt: str) -> str:
+    """Markdown that shows the PNG inline: a data: URI, which the browser loads from the Prefect server's own page
+    (a file:// link to the worker's disk is refused by browsers)."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(image).decode()})"
+
+
 def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training loss per optimizer step"
                ) -> bytes | None:
     """Plot loss.jsonl (to `png` when given) and show it in the run as a markdown artifact with the image inline.
@@ -163,31 +196,17 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
     to the worker's disk is refused by browsers. Called during training too: the run's one `loss-curve`
     artifact is updated in place. The PNG bytes, or None when there is nothing to plot yet.
     """
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and workers
-    import matplotlib.pyplot as plt
-
     entries = [json.loads(line) for line in loss_jsonl.read_text().splitlines() if line.strip()]
     if not entries:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=80)
+    fig, ax = figure()
     ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="." if len(entries) < 50 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    image = buffer.getvalue()
-    if png is not None:
-        png.write_bytes(image)
+    image = png_bytes(fig, png)
     if _in_run():
         last = entries[-1]
-        markdown = (f"## {title}\n\n![training loss](data:image/png;base64,{base64.b64encode(image).decode()})"
+        markdown = (f"## {title}\n\n{inline_png(image, 'training loss')}"
                     f"\n\nStep {last['step']}: loss {last['loss']:.4f} ({len(entries)} logged steps)."
                     + (f" PNG on the worker: `{png}`\n" if png is not None else "\n"))
         _upsert("loss-curve", "markdown", markdown, f"{title} (step {last['step']})")
@@ -212,15 +231,8 @@ def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = N
     (inline PNG, as loss_curve) and tabled; the PNG bytes, or None with no versions."""
     if not rows:
         return None
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = list(range(len(rows)))
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=80)
+    fig, ax = figure()
     ax.plot(x, [r["tuned eval loss"] for r in rows], marker="o", label="tuned (the version)")
     same = [(i, r["champion same-night loss"]) for i, r in enumerate(rows) if r["champion same-night loss"] is not None]
     if same:
@@ -231,19 +243,12 @@ def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = N
     ax.set_ylabel("eval loss")
     ax.set_title(f"{name}: versions (P promoted, R rejected)")
     ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    image = buffer.getvalue()
-    if png is not None:
-        png.write_bytes(image)
+    image = png_bytes(fig, png)
     if _in_run():
         from prefect.artifacts import create_markdown_artifact
 
-        markdown = (f"## Registry `{name}`: every version\n\n![registry history](data:image/png;base64,"
-                    f"{base64.b64encode(image).decode()})\n\n{history_markdown(rows)}")
+        markdown = (f"## Registry `{name}`: every version\n\n{inline_png(image, 'registry history')}\n\n"
+                    f"{history_markdown(rows)}")
         create_markdown_artifact(markdown=markdown, key="registry-history",
                                  description=f"{name}: {len(rows)} versions, tuned vs same-night champion loss")
     return image

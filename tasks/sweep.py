@@ -14,11 +14,9 @@ candidate is scored on the same eval split. Candidates are ranked by the promoti
 
 from __future__ import annotations
 
-import base64
 import copy
 import difflib
 import functools
-import io
 import itertools
 import json
 import math
@@ -32,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tasks import registry
+from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import RunConfig
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
@@ -379,7 +378,7 @@ def comparison(ranking: Ranking) -> str:
                 f"{winner.candidate.name if winner else 'none'}\n\nRanked by the promotion gate's rule (margin 0) on "
                 f"the same eval data (prepare_data `{ranking.eval_data[:12]}`): the lowest tuned eval loss wins; for "
                 f"preference runs the highest tuned reward accuracy.\n\n{table}\n\n"
-                f"![eval loss per candidate](data:image/png;base64,{base64.b64encode(image).decode()})\n\n"
+                f"{inline_png(image, 'eval loss per candidate')}\n\n"
                 f"Sweep folder on the worker: `{ranking.plan.dir}`\n")
     _markdown("sweep-comparison", markdown, f"sweep {ranking.plan.key}: {len(ranking.outcomes)} candidates ranked")
     return markdown
@@ -387,12 +386,7 @@ def comparison(ranking: Ranking) -> str:
 
 def _plot(ranking: Ranking) -> bytes:
     """Tuned eval loss per candidate (bars, base model dashed) beside the candidates' training loss curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and workers
-    import matplotlib.pyplot as plt
-
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
+    fig, (bars, curves) = figure(columns=2, size=(10, 3.8))
     scored = [o for o in ranking.outcomes if o.metrics.get("tuned_eval_loss") is not None]
     losses = [o.metrics["tuned_eval_loss"] for o in scored]
     drawn = bars.bar([o.candidate.name for o in scored], losses,
@@ -417,13 +411,7 @@ def _plot(ranking: Ranking) -> bytes:
     curves.set_title("training loss")
     if curves.get_legend_handles_labels()[0]:
         curves.legend(fontsize="small")
-    for ax in (bars, curves):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return png_bytes(fig)
 
 
 def _markdown(key: str, markdown: str, description: str) -> None:

@@ -218,11 +218,11 @@ def history_markdown(rows: list[dict[str, Any]]) -> str:
         return "No versions published yet.\n"
     columns = list(dict.fromkeys(c for row in rows for c in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(_history_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
-def _cell(value: Any) -> str:
+def _history_cell(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
 

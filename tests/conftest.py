@@ -88,6 +88,16 @@ def cli(args: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def wait_for_checkpoint(proc: subprocess.Popen, runs_dir: Path, logs: Path, timeout: float = 600) -> None:
+    """Wait until a cli() run's training has written a complete checkpoint under runs_dir; fail with the run's
+    stderr if it exits first, or after timeout."""
+    deadline = time.time() + timeout
+    while not list((runs_dir / "train_adapter").glob("*/checkpoints/checkpoint-*/complete")):
+        assert proc.poll() is None, logs.with_suffix(".err").read_text()[-3000:]
+        assert time.time() < deadline, "no checkpoint written in time"
+        time.sleep(0.2)
+
+
 def finish(proc: subprocess.Popen, logs: Path, timeout: float) -> tuple[str, str]:
     """Wait for a cli() process; its stdout and stderr."""
     try:

@@ -25,7 +25,7 @@ from tasks.errors import UserError
 from tasks.manifest import MANIFEST
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
-from tests.conftest import cli, cli_env, finish, last_json, small_overrides
+from tests.conftest import cli, cli_env, finish, last_json, small_overrides, wait_for_checkpoint
 
 
 def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
@@ -270,13 +270,8 @@ def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path
         small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 2})), [])]
     env = cli_env(tmp_path / "prefect")
     proc = cli(args, env, tmp_path / "first")
-    checkpoints = tmp_path / "runs" / "train_adapter"
-    deadline = time.time() + 600
     try:
-        while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
-            assert proc.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
-            assert time.time() < deadline, "no checkpoint written in time"
-            time.sleep(0.2)
+        wait_for_checkpoint(proc, tmp_path / "runs", tmp_path / "first")
         (os.killpg if target == "group" else os.kill)(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         stopped = time.time()

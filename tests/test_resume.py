@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, cli_env, finish, last_json, run_flow, small_overrides, statuses
+from tests.conftest import cli, cli_env, finish, last_json, run_flow, small_overrides, statuses, wait_for_checkpoint
 
 ALL_COMPUTED = dict.fromkeys(
     ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"], "computed")
@@ -57,12 +57,8 @@ def test_kill_9_during_training_resumes_from_checkpoint(small_data: Path, tmp_pa
     env = cli_env(tmp_path / "prefect")
     proc = cli(args, env, tmp_path / "first")
     checkpoints = tmp_path / "runs" / "train_adapter"
-    deadline = time.time() + 600
     try:
-        while not list(checkpoints.glob("*/checkpoints/checkpoint-*/complete")):
-            assert proc.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
-            assert time.time() < deadline, "no checkpoint written in time"
-            time.sleep(0.2)
+        wait_for_checkpoint(proc, tmp_path / "runs", tmp_path / "first")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its temporary Prefect server
         proc.wait()

@@ -1,0 +1,101 @@
+"""The whole job on a GPU: the five stages of `qlora-pipeline run`, each timed, on real data, one command.
+
+Builds a Llama-3.1-8B-shaped model with random weights once (the shared reference_recipe.make_model_dir; values
+change neither time nor memory) with the project's own tokenizer copied beside it (data/tiny-llama: real text
+gives realistic token counts; its ids are a subset of the model's vocabulary), then runs the CLI
+(`python -m deployments.cli run --json`) on the 3,739 shared Dolly records (one epoch, the defaults,
+`export.merge`), once per tree: `--tree DIR` runs another checkout's code (e.g. the commit before a change,
+`mkdir .base && git archive COMMIT flows tasks deployments data | tar -x -C .base`) side by side on the same model
+and data, each in a runs_dir of its own, so every stage computes. Per tree: each stage's seconds (its manifest's
+own timing: from the stage's start to its manifest), the run's wall time, and the stages other than
+train_adapter together. `--profile` wraps each run in `py-spy record` (raw collapsed stacks of every process,
+written beside the JSON) when py-spy is importable as a command.
+
+usage (GPU host, repository root, after bench/README.md's set-up; .shared_bench holds the shared Dolly file):
+  python3 bench/bench_job.py --dolly .shared_bench/dolly_open_qa.jsonl --tree .base --out $OUT/job.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_model(folder: Path, shared: Path) -> float:
+    """The bf16 8B-shaped model with the project's tokenizer; seconds spent (0 when already built)."""
+    if (folder / "config.json").exists():
+        return 0.0
+    sys.path.insert(0, str(shared))
+    from reference_recipe import make_model_dir
+
+    start = time.time()
+    make_model_dir(str(folder))
+    for name in TOKENIZER_FILES:
+        if (ROOT / "data" / "tiny-llama" / name).exists():
+            shutil.copy(ROOT / "data" / "tiny-llama" / name, folder / name)
+    return round(time.time() - start, 1)
+
+
+def run_job(tree: Path, model: Path, dolly: Path, runs_dir: Path, extra: list[str], profile: Path | None
+            ) -> dict[str, Any]:
+    """One `run` of the CLI from `tree`: its summary, wall time and each stage's seconds from its manifest."""
+    shutil.rmtree(runs_dir, ignore_errors=True)
+    sets = [f"model.base_model={model}", f"data.source={dolly.resolve()}", f"runs_dir={runs_dir}",
+            "train.num_train_epochs=1", "export.merge=true", *extra]
+    cmd = [sys.executable, "-m", "deployments.cli", "run", "--json", *[a for s in sets for a in ("--set", s)]]
+    if profile is not None:
+        cmd = ["py-spy", "record", "--subprocesses", "--format", "raw", "--rate", "50", "-o", str(profile), "--", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
+    start = time.time()
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = round(time.time() - start, 1)
+    (runs_dir.parent / f"{runs_dir.name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return {"tree": str(tree), "rc": done.returncode, "wall_s": wall, "tail": (done.stdout + done.stderr)[-4000:]}
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    seconds = {s: json.loads((Path(info["dir"]) / "manifest.json").read_text())["seconds"]
+               for s, info in summary["stages"].items()}
+    metrics = summary["metrics"]
+    return {"tree": str(tree), "rc": 0, "wall_s": wall, "stage_s": seconds,
+            "other_than_train_s": round(sum(v for s, v in seconds.items() if s != "train_adapter"), 1),
+            "eval": {k: metrics.get(k) for k in ("eval_examples", "eval_tokens", "generation_samples",
+                                                   "base_eval_loss", "tuned_eval_loss", "base_rouge_l",
+                                                   "tuned_rouge_l")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dolly", type=Path, default=ROOT.parent / "shared/data/dolly/dolly_open_qa.jsonl")
+    parser.add_argument("--shared", type=Path, default=ROOT / ".shared_bench", help="the shared bench scripts")
+    parser.add_argument("--model", type=Path, default=Path("/tmp/qlora-job/llama-8b"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/qlora-job"))
+    parser.add_argument("--tree", type=Path, action="append", default=[], help="another checkout to run too")
+    parser.add_argument("--set", dest="extra", action="append", default=[], help="more --set overrides")
+    parser.add_argument("--profile", action="store_true", help="py-spy raw stacks of each run, beside --out")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+                              "build_s": build_model(args.model, args.shared), "runs": []}
+    for i, tree in enumerate([ROOT, *args.tree]):
+        profile = args.out.parent / f"{args.out.stem}-{i}.stacks" if args.profile else None
+        run = run_job(tree.resolve(), args.model, args.dolly, args.work / f"runs{i}", args.extra, profile)
+        result["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

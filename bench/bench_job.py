@@ -62,9 +62,11 @@ def run_job(tree: Path, model: Path, dolly: Path, runs_dir: Path, extra: list[st
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = round(time.time() - start, 1)
     (runs_dir.parent / f"{runs_dir.name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        return {"tree": str(tree), "rc": done.returncode, "wall_s": wall, "tail": (done.stdout + done.stderr)[-4000:]}
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:  # py-spy exits 0 whatever its child did: no summary line = failed
+        return {"tree": str(tree), "rc": done.returncode or 1, "wall_s": wall,
+                "tail": (done.stdout + done.stderr)[-4000:]}
+    summary = json.loads(lines[-1])
     seconds = {s: json.loads((Path(info["dir"]) / "manifest.json").read_text())["seconds"]
                for s, info in summary["stages"].items()}
     metrics = summary["metrics"]

@@ -52,7 +52,7 @@ def recompute_mlps(model: Any, first: int, count: int, chunks: list[int] | None 
     recomputed = 0
     for index, layer in enumerate(layers):
         wanted = first <= index < first + count
-        if wanted or chunks is not None or hasattr(layer.mlp, UNWRAPPED):
+        if wanted or (chunks is not None and chunks[index]) or hasattr(layer.mlp, UNWRAPPED):
             _wrap(layer.mlp)
             setattr(layer.mlp, RECOMPUTE, wanted)
             if chunks is not None:
@@ -90,8 +90,11 @@ def _mlp_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
 
     forward, chunk = functools.partial(getattr(mlp, UNWRAPPED), mlp), getattr(mlp, CHUNK)
     chunked = bool(chunk) and x.shape[-2] > chunk
-    if not torch.is_grad_enabled() or not (chunked or getattr(mlp, RECOMPUTE)):
+    if not (chunked or getattr(mlp, RECOMPUTE)):
         return forward(x)
     parts = x.split(chunk, dim=-2) if chunked else (x,)
-    outs = [torch.utils.checkpoint.checkpoint(forward, part, use_reentrant=False) for part in parts]
+    if torch.is_grad_enabled():
+        outs = [torch.utils.checkpoint.checkpoint(forward, part, use_reentrant=False) for part in parts]
+    else:  # evaluation: the chunks still bound the memory, nothing to recompute
+        outs = [forward(part) for part in parts]
     return torch.cat(outs, dim=-2) if chunked else outs[0]

@@ -15,8 +15,8 @@ from the last layer down and frees each layer's activations as it goes, so while
 layers below it still hold theirs. The layers whose backward needs the most working memory (whole recomputation
 rebuilds the layer: 2 x (14 h + 3 i) bytes per token) therefore go lowest, where the fewest layers still hold
 anything below them, and the layers that hold the most (kept) go highest, where their memory is held through the
-fewest other layers' backward; MLP-only layers are between on both counts. The whole-recomputed layers are also neighbours, so that each offloaded input is fetched
-while the layer above recomputes (checkpointing.py).
+fewest other layers' backward; MLP-only layers are between on both counts. The whole-recomputed layers are
+also neighbours, so that each offloaded input is fetched while the layer above recomputes (checkpointing.py).
 
 Why an enumeration and not a greedy order of levers: there are at most some tens of thousands of candidates and
 the cost model is a formula, so the best one under the model is found exactly; a greedy order (kept layers first,

@@ -172,3 +172,82 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
         plan.memory_plan(model, model.get_base_model(), TrainArgs(), speed, longest=100)
     chosen = plan.memory_plan(model, model.get_base_model(), TrainArgs(), SpeedArgs(gpu_memory_budget_gb=8.0), 100)
     assert chosen.recompute_layers == 0 and chosen.tokens == 16384  # a tiny model: everything fits
+
+
+# (whole-recomputed layers, MLP-only layers) of the tiny model's 4: none, MLP-only everywhere, all three modes
+# (the whole layer's input offloaded), every layer whole
+MODES = [(0, 0), (0, 4), (1, 2), (4, 0)]
+
+
+@pytest.mark.parametrize("levers", [False, True], ids=["plain", "chunks+fused-lora"])
+def test_recomputing_only_the_mlp_gives_the_loss_and_gradients_of_no_and_of_full_recomputation(levers: bool) -> None:
+    """Through train_adapter's own path (prepare_base, prepare_peft, training_batches with the mode pinned): every
+    mix of the three modes gives the loss and LoRA gradients of no recomputation, with the MLP in chunks and fused
+    LoRA layers or without; and the MLP-only layers really run their MLP twice (forward and recomputation)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks.train_adapter import plan
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for whole, mlp_only in MODES:
+        speed = SpeedArgs(packing=False, recompute_layers=whole, recompute_mlp_layers=mlp_only,
+                          offload_activations=bool(whole), offload_embeddings=False,
+                          mlp_chunk_tokens=16 if levers else 0, fused_lora=levers)
+        base = _tiny()
+        plan.prepare_base(base, speed)
+        torch.manual_seed(1)
+        model = plan.prepare_peft(get_peft_model(base, LoraConfig(
+            r=4, target_modules=["q_proj", "up_proj", "down_proj"], init_lora_weights="gaussian")), speed).train()
+        chosen = plan.training_batches(model, _Ids(ids), TrainArgs(), speed)[2]
+        assert (chosen.recompute_layers, chosen.recompute_mlp_layers) == (whole, mlp_only)
+        calls = [0] * 4
+        for index, layer in enumerate(base.model.layers):
+            layer.mlp.act_fn.register_forward_hook(lambda *_, i=index, c=calls: c.__setitem__(i, c[i] + 1))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if not levers:  # a recomputed MLP (its layer's or its own) runs twice, a kept one once
+            assert calls == [2 if i < whole + mlp_only else 1 for i in range(4)]
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    loss, grads = results[0]
+    for (whole, mlp_only), (other_loss, other) in zip(MODES[1:], results[1:], strict=True):
+        assert other_loss == pytest.approx(loss, rel=1e-6), (whole, mlp_only)
+        for name, grad in grads.items():
+            torch.testing.assert_close(other[name], grad, rtol=1e-4, atol=1e-6, msg=f"{whole}, {mlp_only}: {name}")
+
+
+class _Ids:
+    """The examples training_batches reads: input_ids (and labels) per example."""
+
+    def __init__(self, ids: Any) -> None:
+        self.input_ids = self.labels = ids.tolist()
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def test_a_family_whose_layers_have_no_mlp_attribute_steps_aside_from_mlp_recomputation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """OPT's decoder layers hold fc1 and fc2 themselves: with MLP-only recomputation forced, one log line says it
+    steps aside and the layers keep their activations; training gives the same gradients."""
+    import logging
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from tasks.train_adapter.mlp import recompute_mlps
+
+    config = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
+                       max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for forced in (False, True):
+        torch.manual_seed(0)
+        model = OPTForCausalLM(config)
+        if forced:
+            with caplog.at_level(logging.INFO, logger="qlora_pipeline"):
+                assert recompute_mlps(model, 0, 2) == 0
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert caplog.text.count("MLP-only recomputation steps aside: OPTForCausalLM has no decoder layers") == 1
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)

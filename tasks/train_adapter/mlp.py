@@ -75,7 +75,7 @@ def decoder_layers(model: Any) -> list[Any]:
 def _wrap(mlp: Any) -> None:
     """Route the MLP's forward through _mlp_forward (once). The MLP's forward function (Liger's, where Liger
     swapped it in), not the method bound to this MLP, and plain int/bool settings: torch.compile then sees the same
-    function and constants in every layer."""
+    function in every layer, and at most three combinations of the settings (kept, MLP-only, whole)."""
     if hasattr(mlp, UNWRAPPED):
         return
     setattr(mlp, UNWRAPPED, mlp.forward.__func__)

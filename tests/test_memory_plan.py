@@ -251,3 +251,16 @@ def test_a_family_whose_layers_have_no_mlp_attribute_steps_aside_from_mlp_recomp
     assert caplog.text.count("MLP-only recomputation steps aside: OPTForCausalLM has no decoder layers") == 1
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+@pytest.mark.parametrize("budget,longest", [(6.4, 2048), (16.0, 20000), (30.0, 2048)])
+def test_the_bisection_over_mlp_only_layers_finds_what_trying_every_layout_finds(budget: float, longest: int) -> None:
+    """choose_plan bisects each group's MLP-only layers (their peak never grows with them); trying every layout
+    one by one picks a plan as fast, whatever the pack size, offloads and chunking."""
+    from tasks.train_adapter.memory_plan import ALLOCATOR_SLACK, candidates
+
+    choices = Choices(longest_example=longest, mlp_chunk=16384)  # 20,000: packs past the chunk, chunked layouts too
+    room = budget * GIB * (1 - ALLOCATOR_SLACK)
+    every = [group._replace(recompute_mlp_layers=m) for group, mlps in candidates(LLAMA8, choices) for m in mlps]
+    fastest = min(relative_time(LLAMA8, x, 16384) for x in every if predicted_peak(LLAMA8, FIXED8, x, 16384) <= room)
+    assert choose_plan(LLAMA8, FIXED8, budget, choices).relative_time == pytest.approx(fastest, abs=1e-4)

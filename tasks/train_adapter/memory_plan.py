@@ -49,7 +49,8 @@ projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -228,8 +229,10 @@ def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0) -> float:
     return time
 
 
-def candidates(dims: Dims, choices: Choices) -> Iterator[Layout]:
-    """The layouts the settings allow."""
+def candidates(dims: Dims, choices: Choices) -> Iterator[tuple[Layout, Sequence[int]]]:
+    """The layouts the settings allow, in groups that differ only in their MLP-only layers: each group's layout
+    and the numbers of MLP-only layers it allows, fewest (the fastest: each one more trades a kept layer for a
+    recomputed MLP) first."""
     sizes = [choices.tokens] if choices.tokens else sorted({max(s, choices.longest_example) for s in PACK_SIZES})
     wholes = [choices.recompute_layers] if choices.recompute_layers is not None else range(dims.layers + 1)
     acts = [choices.offload_activations] if choices.offload_activations is not None else [False, True]
@@ -244,20 +247,25 @@ def candidates(dims: Dims, choices: Choices) -> Iterator[Layout]:
                 if act and not whole:
                     continue  # nothing is saved to offload
                 for emb in embs:
-                    for mlp_only in mlps:
-                        for chunked in chunkings:
-                            yield Layout(tokens, whole, act, emb, mlp_only, chunked)
+                    for chunked in chunkings:
+                        yield Layout(tokens, whole, act, emb, 0, chunked), mlps
 
 
 def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -> MemoryPlan | None:
     """The fastest predicted plan whose peak fits (1 - ALLOCATOR_SLACK) of the budget; None if none does."""
     room = budget_gib * GIB * (1 - ALLOCATOR_SLACK)
     best: tuple[float, int, Layout] | None = None
-    for layout in candidates(dims, choices):
-        peak = predicted_peak(dims, fixed, layout, choices.mlp_chunk)
-        if peak > room:
+    for group, mlps in candidates(dims, choices):
+        # within a group the peak never grows with the MLP-only layers (each replaces a kept layer, whose backward
+        # needs more than the MLP's rebuilt activations) and the time grows: the first that fits is the fastest,
+        # found by bisection (every layout, one by one, takes seconds for 80 layers)
+        fits = bisect.bisect_left(mlps, True, key=lambda m, g=group: predicted_peak(
+            dims, fixed, g._replace(recompute_mlp_layers=m), choices.mlp_chunk) <= room)
+        if fits == len(mlps):
             continue
-        key = (relative_time(dims, layout, choices.mlp_chunk), peak, layout)
+        layout = group._replace(recompute_mlp_layers=mlps[fits])
+        key = (relative_time(dims, layout, choices.mlp_chunk), predicted_peak(dims, fixed, layout, choices.mlp_chunk),
+               layout)
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:
@@ -269,6 +277,7 @@ def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -
 
 
 def smallest_peak_gib(dims: Dims, fixed: Fixed, choices: Choices) -> float:
-    """The least memory any plan the settings allow needs (for the message when none fits)."""
-    peaks = (predicted_peak(dims, fixed, layout, choices.mlp_chunk) for layout in candidates(dims, choices))
+    """The least memory any plan the settings allow needs (for the message when none fits): each group's last."""
+    peaks = (predicted_peak(dims, fixed, group._replace(recompute_mlp_layers=mlps[-1]), choices.mlp_chunk)
+             for group, mlps in candidates(dims, choices))
     return min(peaks) / GIB / (1 - ALLOCATOR_SLACK)

@@ -264,3 +264,27 @@ def test_the_bisection_over_mlp_only_layers_finds_what_trying_every_layout_finds
     every = [group._replace(recompute_mlp_layers=m) for group, mlps in candidates(LLAMA8, choices) for m in mlps]
     fastest = min(relative_time(LLAMA8, x, 16384) for x in every if predicted_peak(LLAMA8, FIXED8, x, 16384) <= room)
     assert choose_plan(LLAMA8, FIXED8, budget, choices).relative_time == pytest.approx(fastest, abs=1e-4)
+
+
+def test_the_plans_mlp_chunks_reach_each_layer() -> None:
+    """A plan's per-layer MLP settings, applied: the MLP-only layers recompute (in chunks past the chunk size), the
+    kept layer's MLP runs once and whole, and the whole-recomputed layer's MLP runs whole unless the plan chunks it."""
+    from tasks.train_adapter.memory_plan import MemoryPlan
+    from tasks.train_adapter.mlp import CHUNK, RECOMPUTE, recompute_mlps, tile_mlp
+
+    plan = MemoryPlan(tokens=48, recompute_layers=1, layers=4, offload_activations=False, offload_embeddings=False,
+                      predicted_peak_gib=1.0, budget_gib=2.0, relative_time=1.5, recompute_mlp_layers=2,
+                      chunk_recomputed=False, mlp_chunk=16)
+    assert plan.mlp_chunks() == [0, 16, 16, 0]
+    base = _tiny()
+    assert tile_mlp(base, 16) == 4  # what prepare_base did: every MLP in chunks
+    assert recompute_mlps(base, plan.recompute_layers, plan.recompute_mlp_layers, plan.mlp_chunks()) == 2
+    mlps = [layer.mlp for layer in base.model.layers]
+    assert [getattr(m, CHUNK) for m in mlps] == [0, 16, 16, 0]
+    assert [getattr(m, RECOMPUTE) for m in mlps] == [False, True, True, False]
+    calls = [0] * 4
+    for index, mlp in enumerate(mlps):
+        mlp.act_fn.register_forward_hook(lambda *_, i=index, c=calls: c.__setitem__(i, c[i] + 1))
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    base(input_ids=ids, labels=ids).loss.backward()
+    assert calls == [1, 6, 6, 1]  # 40 tokens: 3 chunks, each run forward and again in the backward

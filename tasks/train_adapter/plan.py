@@ -204,6 +204,9 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     head = bool(wanted) and offload_output_layer(base)
     enable_checkpointing(base, offload, recompute)
     mlp_only = recompute_mlps(base, recompute, mlp_only, chunks)
+    if mlp_only and memory is None:  # the plan's log line names the modes it chose
+        logger().info("train_adapter: decoder layers %d-%d recompute only their MLP (speed.recompute_mlp_layers)",
+                      recompute, recompute + mlp_only - 1)
     plan_fields = {"recompute_layers": recompute if train.gradient_checkpointing or recompute else None,
                    "recompute_mlp_layers": mlp_only,
                    "memory_plan": memory.as_dict() if memory is not None else None}

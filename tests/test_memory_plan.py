@@ -171,7 +171,8 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
                                         r"2\.00 GiB, and the smallest plan the settings allow needs about 2\.\d\d GiB"):
         plan.memory_plan(model, model.get_base_model(), TrainArgs(), speed, longest=100)
     chosen = plan.memory_plan(model, model.get_base_model(), TrainArgs(), SpeedArgs(gpu_memory_budget_gb=8.0), 100)
-    assert chosen.recompute_layers == 0 and chosen.tokens == 16384  # a tiny model: everything fits
+    # a tiny model: everything fits, the largest packs included (kept layers no longer chunk their MLP)
+    assert (chosen.recompute_layers, chosen.recompute_mlp_layers, chosen.tokens) == (0, 0, 32768)
 
 
 # (whole-recomputed layers, MLP-only layers) of the tiny model's 4: none, MLP-only everywhere, all three modes

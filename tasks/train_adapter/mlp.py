@@ -52,11 +52,12 @@ def recompute_mlps(model: Any, first: int, count: int, chunks: list[int] | None 
     recomputed = 0
     for index, layer in enumerate(layers):
         wanted = first <= index < first + count
-        if wanted or (chunks is not None and chunks[index]) or hasattr(layer.mlp, UNWRAPPED):
+        chunk = chunks[index] if chunks is not None and index < len(chunks) else None
+        if wanted or chunk or hasattr(layer.mlp, UNWRAPPED):
             _wrap(layer.mlp)
             setattr(layer.mlp, RECOMPUTE, wanted)
             if chunks is not None:
-                setattr(layer.mlp, CHUNK, chunks[index])
+                setattr(layer.mlp, CHUNK, chunk or 0)
         recomputed += wanted
     return recomputed
 

@@ -25,8 +25,11 @@ def table(rows: list[dict], reference: dict | None) -> str:
     lines = ["| GPU memory budget | real tokens/s | peak allocated (predicted) | the plan chose |", "|---|---|---|---|"]
     for r in rows:
         p = r["plan"]
-        kept = 32 - p["recompute_layers"]  # the 8B shape's 32 layers
+        mlp_only = p.get("recompute_mlp_layers") or 0  # results before the MLP-only mode have none
+        kept = 32 - p["recompute_layers"] - mlp_only  # the 8B shape's 32 layers
         where = ", inputs on the host" if p["offload_activations"] else ""
+        where += ", MLP in chunks" if p.get("chunk_recomputed") else ""
+        where += f", {mlp_only} MLP-only" if mlp_only else ""
         tables = "tables on the host" if p["offload_embeddings"] else "tables on the GPU"
         lines.append(f"| {r['budget_gib']:g} GiB | {r['real_tokens_per_s']:,.0f} | {r['peak_allocated_gib']:.2f} GiB "
                      f"({r['predicted_peak_gib']:.2f}) | packs of {p['tokens']:,}, {p['recompute_layers']} layers "

@@ -59,7 +59,7 @@ _TITLES = {
     "lr_scheduler_type": "Learning-rate schedule", "num_gpus": "GPUs", "fsdp": "FSDP sharding",
     "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
     "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
-    "recompute_layers": "Recomputed layers",
+    "recompute_layers": "Recomputed layers", "recompute_mlp_layers": "MLP-recomputed layers",
 }
 _WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
           "fp32": "fp32", "bf16": "bf16"}
@@ -305,7 +305,7 @@ class SpeedArgs(_Section):
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, the memory plan's choice (the "
-        "fastest training that fits gpu_memory_budget_gb, up to mlp_chunk_tokens); on CPU, "
+        "fastest training that fits gpu_memory_budget_gb, up to 32,768 or the longest example); on CPU, "
         "per_device_train_batch_size examples per micro-batch.",
     )
     gpu_memory_budget_gb: float | None = Field(
@@ -315,9 +315,15 @@ class SpeedArgs(_Section):
         "less 1 GiB for other processes.",
     )
     recompute_layers: int | None = Field(
-        None, ge=0, description="Decoder layers (the first ones) that recompute their activations in the backward "
+        None, ge=0, description="Decoder layers (the first ones) that recompute all their activations in the backward "
         "pass instead of keeping them (activation checkpointing; the rest keep theirs). None: on a GPU with packing, "
         "as few as the memory budget allows; elsewhere every layer while train.gradient_checkpointing is on.",
+    )
+    recompute_mlp_layers: int | None = Field(
+        None, ge=0, description="Decoder layers, after the recompute_layers ones, that recompute only their MLP's "
+        "activations in the backward pass (selective recomputation: attention keeps its own; for Llama-3.1-8B the MLP "
+        "holds two thirds of a layer's activations and does four fifths of its matmul FLOPs). A family whose layers "
+        "have no .mlp steps aside (logged). None: on a GPU with packing, the memory plan chooses; elsewhere 0.",
     )
     offload_activations: bool | None = Field(
         None, description="Keep the recomputed layers' inputs in pinned CPU memory, copied on a side stream (2 "
@@ -345,7 +351,9 @@ class SpeedArgs(_Section):
     )
     mlp_chunk_tokens: int = Field(
         16384, ge=0, description="Run each MLP over at most this many tokens at a time, each chunk checkpointed: "
-        "long sequences fit in less memory for one more MLP forward. 0 = never.",
+        "long sequences fit in less memory for one more MLP forward. Where the memory plan chooses (a GPU with "
+        "packing), only the MLPs that recompute anyway run in chunks, and the whole-recomputed layers' only where "
+        "the plan says so; the layers that keep their activations run whole. 0 = never.",
     )
     fused_lora: bool | None = Field(
         None, description="Run each LoRA layer, its 4-bit base matmul included, as one autograd function (tasks/"

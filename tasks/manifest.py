@@ -112,7 +112,8 @@ class TrainMetrics(_Metrics):
     sharding: Literal["none", "ddp", "fsdp"]
     method: Literal["sft", "dpo", "kto"] = "sft"
     # on a GPU with packing: the memory plan (tasks/train_adapter/memory_plan.py MemoryPlan: tokens, recompute_layers,
-    # offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib with peak_gpu_allocated_gib
+    # recompute_mlp_layers, chunk_recomputed, offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib
+    # with peak_gpu_allocated_gib
     memory_plan: dict[str, Any] | None = None
     tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
     gpu_wait_seconds: float | None = None  # of the stage's seconds, waiting for the GPU slot (other runs' training)

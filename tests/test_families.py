@@ -120,15 +120,17 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
     folder = build_family_model(family, tmp_path / family)
     examples = _Examples(_examples())
     results = []
-    for levers in (False, True):
+    for levers in (False, True, "mlp"):  # "mlp": the same levers, the first layer recomputed whole, the second its MLP
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         for module in model.modules():  # GPT-2's dropout would draw different masks in chunks
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         if family == "gemma2":
             model.config.final_logit_softcapping = 2.0  # small enough to change the loss: the fused loss must cap
+        modes = {"recompute_layers": 1, "recompute_mlp_layers": 1} if levers == "mlp" else {}
+        levers = bool(levers)
         speed = SpeedArgs(mlp_chunk_tokens=4 if levers else 0, fused_cross_entropy=levers, fused_lora=levers,
-                          offload_activations=levers, offload_embeddings=levers)
+                          offload_activations=levers, offload_embeddings=levers, **modes)
         with caplog.at_level(logging.INFO, logger="qlora_pipeline"):
             applied = plan.prepare_base(model, speed)
             torch.manual_seed(1)  # the same LoRA weights both times
@@ -136,6 +138,7 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
                                                                        init_lora_weights=False)), speed)
             packs, collator, choice = plan.training_batches(model, examples, TrainArgs(per_device_train_batch_size=3),
                                                             speed)
+        assert choice.recompute_mlp_layers == modes.get("recompute_mlp_layers", 0)
         if levers:  # on a CPU too, when asked for; a tied or scaled embedding steps aside, saying why
             assert choice.offload_activations
             assert choice.offload_embeddings or "embedding offload steps aside" in caplog.text
@@ -145,11 +148,12 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
         results.append(_loss_and_grads(model, collator([packs[0]])))
         if levers:
             assert "fused cross-entropy" in applied and any(a.startswith("MLP in chunks") for a in applied), applied
-    (loss, grads), (lever_loss, lever_grads) = results
-    assert lever_loss == pytest.approx(loss, rel=1e-5)
-    assert grads.keys() == lever_grads.keys() and grads
-    for name, grad in grads.items():
-        torch.testing.assert_close(lever_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    (loss, grads), *levered = results
+    for lever_loss, lever_grads in levered:
+        assert lever_loss == pytest.approx(loss, rel=1e-5)
+        assert grads.keys() == lever_grads.keys() and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(lever_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_model_dims_read_each_familys_config_names() -> None:

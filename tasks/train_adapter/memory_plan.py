@@ -1,41 +1,65 @@
 """The memory plan of train_adapter: the fastest training that fits a GPU memory budget.
 
-A plan is: tokens per packed micro-batch, how many decoder layers recompute their activations in the backward pass
-(the first ones; the rest keep theirs), whether the recomputed layers' saved inputs live in host memory, and whether
-the frozen embedding table and output layer do. choose_plan predicts each candidate's peak memory from the model's
-dimensions and what is already allocated, and its time per token from a cost model; it takes the fastest candidate
-that fits. The settings a user pins (speed.max_tokens_per_batch, speed.recompute_layers, the offloads,
-train.gradient_checkpointing) narrow the candidates instead of being overridden.
+A plan is: tokens per packed micro-batch; which decoder layers recompute their activations in the backward pass,
+in three modes (the first `recompute_layers` recompute the whole layer, the next `recompute_mlp_layers` only their
+MLP, the rest keep everything); whether the whole-recomputed layers run their MLP in chunks
+(speed.mlp_chunk_tokens) when the pack is longer; whether the recomputed layers' saved inputs live in host memory;
+and whether the frozen embedding table and output layer do. choose_plan predicts each candidate's peak memory
+from the model's dimensions and what is already allocated, and its time per token from a cost model; it takes
+the fastest candidate that fits. The settings a user pins (speed.max_tokens_per_batch, speed.recompute_layers,
+speed.recompute_mlp_layers, the offloads, train.gradient_checkpointing) narrow the candidates instead of being
+overridden.
 
-Why an enumeration and not a greedy order of levers: there are at most a few thousand candidates and the cost model
-is a formula, so the best one under the model is found exactly; a greedy order (kept layers first, then offloads,
-then packs) can stop at a worse corner when a bigger pack with one more recomputed layer beats a smaller pack.
+Why the layers in that order (whole, then MLP-only, then kept, from the first layer up): the backward pass runs
+from the last layer down and frees each layer's activations as it goes, so while a layer's backward runs, the
+layers below it still hold theirs. The layers whose backward needs the most working memory (whole recomputation
+rebuilds the layer: 2 x (14 h + 3 i) bytes per token) therefore go lowest, where the fewest layers still hold
+anything below them, and the layers that hold the most (kept) go highest, where their memory is held through the
+fewest other layers' backward; MLP-only layers are between on both counts. The whole-recomputed layers are
+also neighbours, so that each offloaded input is fetched while the layer above recomputes (checkpointing.py).
+
+Why an enumeration and not a greedy order of levers: there are at most some tens of thousands of candidates and
+the cost model is a formula, so the best one under the model is found exactly; a greedy order (kept layers first,
+then offloads, then packs) can stop at a worse corner when a bigger pack with one more recomputed layer beats a
+smaller pack.
 
 Both models were fitted to measurements of the Llama-3.1-8B shape on an H200 (bf16, LoRA r=16 on all seven
 projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close each prediction came):
 
 - memory per token: a layer that keeps its activations holds about 2 x (8 h + 2 kv + 3 i) bytes per token (h the
-  hidden size, kv the key/value width, i the MLP width; 152 KB measured for 8B, 156 predicted); a recomputed layer
-  holds its input, 2 h bytes, on the GPU unless offloaded; the backward of a recomputed layer needs about
-  2 x (14 h + 3 i) bytes per token at once (197 KB measured at 8k-token packs, 201 predicted; 116 KB per token
-  between 32k and 64k tokens, where the MLP runs in chunks, 115 predicted). Fixed: what is allocated when the plan
-  is made (4-bit weights, LoRA weights), LoRA gradients and AdamW state (16 bytes per trainable parameter), one
-  chunk of the fused loss's fp32 logits (0.92 GiB measured for these two, 0.87 predicted), less the embedding table
-  and output layer when they are offloaded.
+  hidden size, kv the key/value width, i the MLP width; 152 KB measured for 8B, 156 predicted): 2 x (6 h + 2 kv)
+  for attention, the norms and the residual stream, 2 x (2 h + 3 i) for the MLP (its input and output, and the
+  up, gate and activation outputs, 3 i). A layer that recomputes only its MLP keeps the first part and, of the
+  MLP's, 2 x 2 h (its input, saved by the checkpoint, and its output): 2 x (8 h + 2 kv), 68 KB for 8B; its
+  backward rebuilds the MLP's 2 x 3 i bytes per token (per chunk, when chunked) on top of half a layer. (This is
+  what a kept layer with the MLP in chunks measured: 116 KB per token between 32k and 64k tokens, 115 predicted.)
+  A whole-recomputed layer holds its input, 2 h bytes, on the GPU unless offloaded; its backward needs about
+  2 x (14 h + 3 i) bytes per token at once (197 KB measured at 8k-token packs, 201 predicted), the 3 i per chunk
+  when its MLP runs in chunks. Fixed: what is allocated when the plan is made (4-bit weights, LoRA weights), LoRA
+  gradients and AdamW state (16 bytes per trainable parameter), one chunk of the fused loss's fp32 logits (0.92
+  GiB measured for these two, 0.87 predicted), less the embedding table and output layer when they are offloaded.
 - time per token, relative: (1 + HOST_TOKENS / tokens) x (1 + RECOMPUTE_COST x recomputed / layers), plus small
   costs for each offload. HOST_TOKENS is the per-micro-step work (launches, optimizer step) in tokens' worth of
-  compute; RECOMPUTE_COST the share of a step one more forward pass costs.
+  compute; RECOMPUTE_COST the share of a step one more forward pass costs. `recomputed` counts a whole layer as 1
+  and an MLP-only layer as the MLP's share of a layer's matmul FLOPs, 3 i / (3 i + 2 h + 2 kv) (0.81 for 8B: the
+  attention projections q, k, v, o are the rest); a whole-recomputed layer whose MLP runs in chunks recomputes
+  the MLP twice (the layer's recomputation runs the chunks' checkpoints, whose backward recomputes them again),
+  so it counts 1 + that share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 GIB = 2**30
-HOST_TOKENS = 3940  # 8B, H200: 12,964 real tokens/s at 8,192-token packs and 15,476 at 16,384, nothing recomputed
-RECOMPUTE_COST = 0.376  # 8B, H200: 11,254 tokens/s with every layer recomputed at 16,384 tokens, against 15,476
+# refitted to bench/results/2026-12-02-h200-issue24-run2.json (8B, H200, one session): nothing recomputed, 13,854
+# real tokens/s at 8,192-token packs and 15,021 at 16,384 give HOST_TOKENS 1,506; with it the three runs that
+# recompute (16,384 tokens, 27 and 29 layers; 8,192 tokens, 32 layers) give RECOMPUTE_COST 0.369, 0.336, 0.295
+HOST_TOKENS = 1500
+RECOMPUTE_COST = 0.333
 OFFLOAD_ACTIVATIONS_COST = 0.02  # the side-stream copies of recomputed layers' inputs, per recomputed share
 OFFLOAD_EMBEDDINGS_TOKENS = 480  # per micro-step: the output layer's copy to the GPU (~20 ms) and a host wait
 TRAINABLE_BYTES = 16  # per trainable parameter: fp32 gradient, AdamW's two fp32 moments, the bf16 cast of the weight
@@ -81,6 +105,17 @@ def _first(config: Any, names: tuple[str, ...]) -> int | None:
     return next((v for v in (getattr(config, n, None) for n in names) if v is not None), None)
 
 
+class Layout(NamedTuple):
+    """One candidate: what a plan sets, before its peak and time are predicted."""
+
+    tokens: int  # per packed micro-batch (an example longer than this trains alone)
+    recompute_layers: int  # the first this many decoder layers recompute their whole activations
+    offload_activations: bool  # whole-recomputed layers' saved inputs in pinned host memory
+    offload_embeddings: bool  # the frozen embedding table (and output layer, where the fused loss runs) on the host
+    recompute_mlp_layers: int = 0  # the next this many recompute only their MLP's; the rest keep everything
+    chunk_recomputed: bool = False  # whole-recomputed layers run their MLP in chunks (packs past the chunk only)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """One way to train within the budget, with its predicted peak and relative time per token."""
@@ -93,17 +128,33 @@ class MemoryPlan:
     predicted_peak_gib: float
     budget_gib: float
     relative_time: float  # predicted time per token; 1.0 = nothing recomputed or offloaded, endless packs
+    recompute_mlp_layers: int = 0  # the next this many recompute only their MLP (attention keeps its activations)
+    chunk_recomputed: bool = False  # the whole-recomputed layers' MLP runs in speed.mlp_chunk_tokens chunks
+    mlp_chunk: int = 0  # speed.mlp_chunk_tokens when the plan was made (MLP-only layers always chunk past it)
 
     def describe(self) -> str:
         """One line for the log: what was chosen and the predicted peak."""
-        kept = self.layers - self.recompute_layers
+        kept = self.layers - self.recompute_layers - self.recompute_mlp_layers
         where = "host" if self.offload_activations else "GPU"
-        recompute = (f"{self.recompute_layers} of {self.layers} layers recomputed (inputs on the {where}), {kept} "
-                     "keep their activations" if self.recompute_layers else f"all {self.layers} layers keep their "
-                     "activations (no recomputation)")
-        return (f"memory plan: packs of {self.tokens:,} tokens, {recompute}, embeddings and output layer on the "
-                f"{'host' if self.offload_embeddings else 'GPU'}; predicted peak {self.predicted_peak_gib:.2f} GiB "
-                f"of the {self.budget_gib:.2f} GiB budget")
+        parts = []
+        if self.recompute_layers:
+            chunks = f", MLP in chunks of {self.mlp_chunk:,}" if self.chunk_recomputed else ""
+            parts.append(f"{self.recompute_layers} of {self.layers} layers recompute whole (inputs on the {where}"
+                         f"{chunks})")
+        if self.recompute_mlp_layers:
+            parts.append(f"{self.recompute_mlp_layers} recompute only their MLP")
+        parts.append(f"{kept} keep their activations" if kept < self.layers else
+                     f"all {self.layers} layers keep their activations (no recomputation)")
+        return (f"memory plan: packs of {self.tokens:,} tokens, {', '.join(parts)}, embeddings and output layer on "
+                f"the {'host' if self.offload_embeddings else 'GPU'}; predicted peak {self.predicted_peak_gib:.2f} "
+                f"GiB of the {self.budget_gib:.2f} GiB budget")
+
+    def mlp_chunks(self) -> list[int]:
+        """Each decoder layer's MLP chunk (0: never): the plan chunks only recomputed MLPs, kept layers run whole."""
+        whole = self.mlp_chunk if self.chunk_recomputed else 0
+        mlp_only = self.recompute_layers + self.recompute_mlp_layers
+        return [whole if i < self.recompute_layers else self.mlp_chunk if i < mlp_only else 0
+                for i in range(self.layers)]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,77 +179,105 @@ class Choices:
     offload_activations: bool | None = None
     offload_embeddings: bool | None = None
     longest_example: int = 1
-    mlp_chunk: int = 0  # speed.mlp_chunk_tokens (0: never); the plan's own packs stay within it, where the MLP
-    # keeps its activations whole (a chunked MLP recomputes them: no faster than recomputing the layer)
+    mlp_chunk: int = 0  # speed.mlp_chunk_tokens (0: never)
+    recompute_mlp_layers: int | None = None
 
 
-def predicted_peak(dims: Dims, fixed: Fixed, tokens: int, recompute: int, offload_activations: bool,
-                   offload_embeddings: bool, mlp_chunk: int = 0) -> int:
-    """Peak GPU bytes allocated while training with this plan: the larger of the end of the forward pass (every
-    saved activation, and the output layer back on the GPU for the loss when it lives on the host) and the start of
-    the backward pass (the same, plus the backward's own working memory). Past `mlp_chunk` tokens
-    (speed.mlp_chunk_tokens) the MLP runs in checkpointed chunks: its activations then exist a chunk at a time."""
+def mlp_share(dims: Dims) -> float:
+    """The MLP's share of a decoder layer's matmul FLOPs per token: 3 i against the attention projections' 2 h + 2
+    kv (q and o: h x h each; k and v: h x kv each)."""
+    kv = dims.kv or dims.hidden
+    return 3 * dims.intermediate / (3 * dims.intermediate + 2 * dims.hidden + 2 * kv)
+
+
+def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0) -> int:
+    """Peak GPU bytes allocated while training with this plan: the largest of the end of the forward pass (every
+    saved activation, and the output layer back on the GPU for the loss when it lives on the host) and the backward
+    of the top layer of each mode (what the layers below it hold, plus its own working memory). Past `mlp_chunk`
+    tokens (speed.mlp_chunk_tokens) the MLP-only layers, and the whole-recomputed ones where the layout says so,
+    run their MLP in checkpointed chunks: its activations then exist a chunk at a time."""
     h, i, kv = dims.hidden, dims.intermediate, dims.kv or dims.hidden
-    chunked = bool(mlp_chunk) and tokens > mlp_chunk
-    mlp_tokens = mlp_chunk if chunked else tokens
-    kept_layer = tokens * 2 * (6 * h + 2 * kv) + (tokens * 2 * 2 * h if chunked else tokens * 2 * (2 * h + 3 * i))
-    kept = dims.layers - recompute
-    # the top kept layer's backward holds about half a layer's activations more while it runs
-    kept_backward = (kept + 0.5) * kept_layer + (2 * 3 * i * mlp_tokens if chunked else 0) if kept else 0
-    working = 2 * (14 * h * tokens + 3 * i * mlp_tokens) if recompute else 0  # the backward of a recomputed layer
-    saved = 0 if offload_activations else recompute * tokens * 2 * h
-    head_copy = fixed.output_layer_bytes if offload_embeddings else 0  # on the GPU while the fused loss runs
-    activations = saved + max(kept * kept_layer + head_copy, kept_backward, working)
-    offloaded = fixed.embedding_bytes + fixed.output_layer_bytes if offload_embeddings else 0
+    tokens, whole, mlp_only = layout.tokens, layout.recompute_layers, layout.recompute_mlp_layers
+    chunk = mlp_chunk if mlp_chunk and tokens > mlp_chunk else tokens
+    kept = dims.layers - whole - mlp_only
+    kept_layer = tokens * 2 * (8 * h + 2 * kv + 3 * i)
+    mlp_layer = tokens * 2 * (8 * h + 2 * kv)  # attention's activations, the MLP's input and output
+    held = kept * kept_layer + mlp_only * mlp_layer
+    ends = [held + (fixed.output_layer_bytes if layout.offload_embeddings else 0)]  # the loss's copy of the head
+    if kept:  # the top kept layer's backward holds about half a layer's activations more while it runs
+        ends.append(held + kept_layer / 2)
+    if mlp_only:  # the top MLP-only layer's: half a layer and its MLP's rebuilt activations
+        ends.append(mlp_only * mlp_layer + mlp_layer / 2 + 2 * 3 * i * chunk)
+    if whole:  # a whole-recomputed layer's backward rebuilds it
+        ends.append(2 * (14 * h * tokens + 3 * i * (chunk if layout.chunk_recomputed else tokens)))
+    saved = 0 if layout.offload_activations else whole * tokens * 2 * h
+    offloaded = fixed.embedding_bytes + fixed.output_layer_bytes if layout.offload_embeddings else 0
     state = TRAINABLE_BYTES * fixed.trainable_parameters + 4 * LOSS_ROWS * dims.vocab
-    return fixed.allocated - offloaded + state + activations
+    return int(fixed.allocated - offloaded + state + saved + max(ends))
 
 
-def relative_time(dims: Dims, tokens: int, recompute: int, offload_activations: bool, offload_embeddings: bool
-                  ) -> float:
+def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0) -> float:
     """Predicted time per token of a plan, relative to no recomputation, no offload and endless packs."""
-    share = recompute / dims.layers
-    time = (1 + HOST_TOKENS / tokens) * (1 + RECOMPUTE_COST * share)
-    if offload_activations and recompute:
-        time += OFFLOAD_ACTIVATIONS_COST * share
-    if offload_embeddings:
-        time += OFFLOAD_EMBEDDINGS_TOKENS / tokens
+    share = mlp_share(dims)
+    chunked = layout.chunk_recomputed and bool(mlp_chunk) and layout.tokens > mlp_chunk
+    recomputed = layout.recompute_layers * (1 + share if chunked else 1) + layout.recompute_mlp_layers * share
+    time = (1 + HOST_TOKENS / layout.tokens) * (1 + RECOMPUTE_COST * recomputed / dims.layers)
+    if layout.offload_activations and layout.recompute_layers:
+        time += OFFLOAD_ACTIVATIONS_COST * layout.recompute_layers / dims.layers
+    if layout.offload_embeddings:
+        time += OFFLOAD_EMBEDDINGS_TOKENS / layout.tokens
     return time
 
 
-def candidates(dims: Dims, choices: Choices) -> Iterator[tuple[int, int, bool, bool]]:
-    """(tokens, recomputed layers, offload activations, offload embeddings) the settings allow."""
-    sizes = [choices.tokens] if choices.tokens else sorted(
-        {max(s, choices.longest_example) for s in PACK_SIZES if not choices.mlp_chunk or s <= choices.mlp_chunk})
-    layers = [choices.recompute_layers] if choices.recompute_layers is not None else range(dims.layers + 1)
+def candidates(dims: Dims, choices: Choices) -> Iterator[tuple[Layout, Sequence[int]]]:
+    """The layouts the settings allow, in groups that differ only in their MLP-only layers: each group's layout
+    and the numbers of MLP-only layers it allows, fewest (the fastest: each one more trades a kept layer for a
+    recomputed MLP) first."""
+    sizes = [choices.tokens] if choices.tokens else sorted({max(s, choices.longest_example) for s in PACK_SIZES})
+    wholes = [choices.recompute_layers] if choices.recompute_layers is not None else range(dims.layers + 1)
     acts = [choices.offload_activations] if choices.offload_activations is not None else [False, True]
     embs = [choices.offload_embeddings] if choices.offload_embeddings is not None else [False, True]
     for tokens in sizes:
-        for recompute in layers:
+        for whole in wholes:
+            whole = min(whole, dims.layers)
+            mlps = ([min(choices.recompute_mlp_layers, dims.layers - whole)]
+                    if choices.recompute_mlp_layers is not None else range(dims.layers - whole + 1))
+            chunkings = [False, True] if whole and choices.mlp_chunk and tokens > choices.mlp_chunk else [False]
             for act in acts:
-                if act and not recompute:
+                if act and not whole:
                     continue  # nothing is saved to offload
                 for emb in embs:
-                    yield tokens, recompute, act, emb
+                    for chunked in chunkings:
+                        yield Layout(tokens, whole, act, emb, 0, chunked), mlps
 
 
 def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -> MemoryPlan | None:
     """The fastest predicted plan whose peak fits (1 - ALLOCATOR_SLACK) of the budget; None if none does."""
     room = budget_gib * GIB * (1 - ALLOCATOR_SLACK)
-    best: MemoryPlan | None = None
-    for tokens, recompute, act, emb in candidates(dims, choices):
-        peak = predicted_peak(dims, fixed, tokens, recompute, act, emb, choices.mlp_chunk)
-        if peak > room:
+    best: tuple[float, int, Layout] | None = None
+    for group, mlps in candidates(dims, choices):
+        # within a group the peak never grows with the MLP-only layers (each replaces a kept layer, whose backward
+        # needs more than the MLP's rebuilt activations) and the time grows: the first that fits is the fastest,
+        # found by bisection (every layout, one by one, takes seconds for 80 layers)
+        fits = bisect.bisect_left(mlps, True, key=lambda m, g=group: predicted_peak(
+            dims, fixed, g._replace(recompute_mlp_layers=m), choices.mlp_chunk) <= room)
+        if fits == len(mlps):
             continue
-        plan = MemoryPlan(tokens, recompute, dims.layers, act, emb, round(peak / GIB, 2), round(budget_gib, 2),
-                          round(relative_time(dims, tokens, recompute, act, emb), 4))
-        if best is None or (plan.relative_time, plan.predicted_peak_gib) < (best.relative_time,
-                                                                              best.predicted_peak_gib):
-            best = plan
-    return best
+        layout = group._replace(recompute_mlp_layers=mlps[fits])
+        key = (relative_time(dims, layout, choices.mlp_chunk), predicted_peak(dims, fixed, layout, choices.mlp_chunk),
+               layout)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    if best is None:
+        return None
+    time, peak, layout = best
+    return MemoryPlan(layout.tokens, layout.recompute_layers, dims.layers, layout.offload_activations,
+                      layout.offload_embeddings, round(peak / GIB, 2), round(budget_gib, 2), round(time, 4),
+                      layout.recompute_mlp_layers, layout.chunk_recomputed, choices.mlp_chunk)
 
 
 def smallest_peak_gib(dims: Dims, fixed: Fixed, choices: Choices) -> float:
-    """The least memory any plan the settings allow needs (for the message when none fits)."""
-    peaks = (predicted_peak(dims, fixed, *c, choices.mlp_chunk) for c in candidates(dims, choices))
+    """The least memory any plan the settings allow needs (for the message when none fits): each group's last."""
+    peaks = (predicted_peak(dims, fixed, group._replace(recompute_mlp_layers=mlps[-1]), choices.mlp_chunk)
+             for group, mlps in candidates(dims, choices))
     return min(peaks) / GIB / (1 - ALLOCATOR_SLACK)

@@ -25,7 +25,7 @@ from tasks.train_adapter.loss import (
     use_fused_loss,
 )
 from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, model_dims, smallest_peak_gib
-from tasks.train_adapter.mlp import decoder_layers, tile_mlp
+from tasks.train_adapter.mlp import decoder_layers, recompute_mlps, tile_mlp
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
 
@@ -41,6 +41,7 @@ class MicroBatches:
     packs: int | None = None  # packed micro-batches per epoch
     offload_output_layer: bool = False  # the frozen output layer in host memory (with offload_embeddings)
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
+    recompute_mlp_layers: int = 0  # the next decoder layers, which recompute only their MLP
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
 
 
@@ -187,6 +188,7 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
         logger().info("train_adapter: %s", memory.describe())
         recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
                                               memory.offload_embeddings, memory.tokens)
+        mlp_only, chunks = memory.recompute_mlp_layers, memory.mlp_chunks()
     else:  # CPU, or unpacked: checkpointing recomputes every layer (or speed.recompute_layers), as always
         recompute = 0 if not train.gradient_checkpointing else (
             speed.recompute_layers if speed.recompute_layers is not None else layers)
@@ -196,10 +198,17 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
                                        else torch.cuda.is_available() and not several_processes())
         wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
         tokens = speed.max_tokens_per_batch
+        mlp_only = min(speed.recompute_mlp_layers or 0, layers - recompute) if train.gradient_checkpointing else 0
+        chunks = None  # tile_mlp's chunks stay
     embeddings = bool(wanted) and offload_embeddings(model)
     head = bool(wanted) and offload_output_layer(base)
     enable_checkpointing(base, offload, recompute)
+    mlp_only = recompute_mlps(base, recompute, mlp_only, chunks)
+    if mlp_only and memory is None:  # the plan's log line names the modes it chose
+        logger().info("train_adapter: decoder layers %d-%d recompute only their MLP (speed.recompute_mlp_layers)",
+                      recompute, recompute + mlp_only - 1)
     plan_fields = {"recompute_layers": recompute if train.gradient_checkpointing or recompute else None,
+                   "recompute_mlp_layers": mlp_only,
                    "memory_plan": memory.as_dict() if memory is not None else None}
     if not speed.packing:
         batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head, **plan_fields)
@@ -216,14 +225,17 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
     import torch
 
     several = several_processes()  # offloads are single-process only (DDP broadcasts GPU tensors)
+    mlps = bool(decoder_layers(base))
     choices = Choices(
         tokens=speed.max_tokens_per_batch,
         recompute_layers=speed.recompute_layers if train.gradient_checkpointing else 0,
+        # a family whose layers have no .mlp can neither recompute nor chunk it: the plan must not count on either
+        recompute_mlp_layers=speed.recompute_mlp_layers if train.gradient_checkpointing and mlps else 0,
         offload_activations=speed.offload_activations if speed.offload_activations is not None or not several
         else False,
         offload_embeddings=speed.offload_embeddings if speed.offload_embeddings is not None or not several
         else False,
-        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens)
+        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0)
     emb, head = model.get_input_embeddings(), base.get_output_embeddings()
     movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
     head_movable = head is not None and output_layer_offload_unsupported(base) is None and head.weight.is_cuda
@@ -238,5 +250,5 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
             f"GiB, and the smallest plan the settings allow needs about {smallest_peak_gib(dims, fixed, choices):.2f}"
             f" GiB (the longest example has {longest:,} tokens). Raise speed.gpu_memory_budget_gb, lower "
             "data.max_seq_length, lora.r or the number of lora.target_modules, or unpin speed.max_tokens_per_batch, "
-            "speed.recompute_layers and the offloads so the plan can use them.")
+            "speed.recompute_layers, speed.recompute_mlp_layers and the offloads so the plan can use them.")
     return plan

@@ -1,0 +1,44 @@
+// llama.cpp as a reader of our GGUF files, through node-llama-cpp's prebuilt binaries (tests/test_gguf.py runs it).
+//
+//   node tests/llamacpp_check.mjs NODE_DIR REQUEST.json
+//
+// NODE_DIR holds node_modules/node-llama-cpp (README: Development installs it in tests/.node). REQUEST is
+// {"model": PATH, "lora": PATH or null, "prompts": [...], "new_tokens": N}. Prints one JSON object:
+// {"prompts": [{"tokens": [...], "greedy": [...]}], "bos": ID or null}: the prompt's tokens as llama.cpp's
+// tokenizer reads the GGUF vocabulary (BOS first where the GGUF asks for it) and N greedy next tokens.
+import { readFileSync } from "node:fs";
+import { createRequire } from "node:module";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
+
+const [nodeDir, requestPath] = process.argv.slice(2);
+const request = JSON.parse(readFileSync(requestPath, "utf8"));
+const entry = createRequire(join(nodeDir, "package.json")).resolve("node-llama-cpp");
+const { getLlama, LlamaLogLevel } = await import(pathToFileURL(entry).href);
+
+// the CPU binary shipped in @node-llama-cpp/linux-x64, as installed: never build llama.cpp, never download
+const llama = await getLlama({ gpu: false, build: "never", skipDownload: true, usePrebuiltBinaries: true,
+                               progressLogs: false, logLevel: LlamaLogLevel.error });
+const model = await llama.loadModel({ modelPath: request.model });
+const bos = model.shouldPrependBosToken ? model.tokens.bos : null;
+const results = [];
+for (const prompt of request.prompts) {
+  // a fresh context per prompt: nothing from the previous prompt stays in the KV cache
+  const context = await model.createContext({
+    contextSize: 256, batchSize: 256, sequences: 1,
+    ...(request.lora ? { lora: { adapters: [{ filePath: request.lora, scale: 1 }] } } : {}),
+  });
+  const sequence = context.getSequence();
+  const tokens = [...(bos === null ? [] : [bos]), ...model.tokenize(prompt)];
+  const greedy = [];
+  // temperature 0: argmax of the logits, the same rule as transformers' greedy generate
+  for await (const token of sequence.evaluate(tokens, { temperature: 0 })) {
+    greedy.push(token);
+    if (greedy.length >= request.new_tokens) break;
+  }
+  results.push({ tokens, greedy });
+  await context.dispose();
+}
+await model.dispose();
+await llama.dispose();
+console.log(JSON.stringify({ prompts: results, bos }));

@@ -1,10 +1,13 @@
-"""export.gguf: the merged model as GGUF (checked by transformers' own GGUF reader), the Ollama Modelfile, and the
-adapter folder checked against vLLM's LoRA loader rules."""
+"""export.gguf: the merged model as GGUF (checked by transformers' own GGUF reader and by llama.cpp itself), the
+GGUF LoRA adapter (llama.cpp on the base GGUF vs peft), the Ollama Modelfile, and the adapter folder checked against
+vLLM's LoRA loader rules."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,11 @@ PROMPTS = ["the answer to the question is", "what is two plus three", "hello"]
 # (measured 5.6e-4 on the tiny Llama); q8_0 keeps 8 bits per 32-wide block (measured 1.6e-2). A wrong tensor
 # layout (e.g. q/k rows left unpermuted) moves them by far more than this.
 TOLERANCE = {"f16": 5e-3, "q8_0": 6e-2}
+NEW_TOKENS = 8
+# llama.cpp's own reader: node-llama-cpp's prebuilt llama.cpp, installed as README: Development says
+NODE_DIR = PROJECT_ROOT / "tests" / ".node"
+NODE_INSTALL = ("npm i -E --ignore-scripts --omit=optional --no-audit --no-fund --prefix tests/.node "
+                "node-llama-cpp@3.21.1 @node-llama-cpp/linux-x64@3.21.1")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,51 @@ def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     args = ExportArgs(name="gguftest", merge=True, merged_dtype="float32", gguf=["f16", "q8_0"])
     out = tmp_path_factory.mktemp("export")
     folder = Path(export_adapter.fn(args, out, stages["data"], stages["model"], adapter, evals))
-    return {"folder": folder, "version": out.resolve() / "exports" / "gguftest" / "v0001"}
+    return {"folder": folder, "version": out.resolve() / "exports" / "gguftest" / "v0001", "model": stages["model"]}
+
+
+def llama_cpp(requests: list[dict[str, Any]]) -> list[list[dict[str, list[int]]]]:
+    """Each {"model": GGUF, "lora": GGUF or None} read by llama.cpp (tests/llamacpp_check.mjs): per request, per
+    PROMPTS entry, {"tokens": prompt tokens, "greedy": NEW_TOKENS greedy tokens}. CI must have the reader (fail);
+    elsewhere a missing one skips with the command that installs it."""
+    node = shutil.which("node")
+    if node is None or not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
+        missing = f"llama.cpp's reader is not installed (node: {node}; {NODE_DIR}): run {NODE_INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    request = NODE_DIR / f"request-{os.getpid()}.json"
+    request.write_text(json.dumps([{"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "lora": None, **r}
+                                   for r in requests]))
+    try:
+        done = subprocess.run([node, str(PROJECT_ROOT / "tests" / "llamacpp_check.mjs"), str(NODE_DIR), str(request)],
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        request.unlink()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [result["prompts"] for result in json.loads(done.stdout)]
+
+
+def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[int]]]:
+    """Per PROMPTS entry, the tokenizer's ids and transformers' NEW_TOKENS greedy tokens (llama_cpp's format)."""
+    import torch
+
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            greedy = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
+        out.append({"tokens": ids[0].tolist(), "greedy": greedy[0, ids.shape[1]:].tolist()})
+    return out
+
+
+def assert_same_greedy(got: list[dict[str, list[int]]], want: list[dict[str, list[int]]]) -> None:
+    """llama.cpp read the prompts as the tokenizer does and picked transformers' greedy tokens (up to where
+    transformers stopped at end-of-sequence)."""
+    for prompt, llama, hf in zip(PROMPTS, got, want, strict=True):
+        assert llama["tokens"] == hf["tokens"], prompt
+        assert llama["greedy"][:len(hf["greedy"])] == hf["greedy"], prompt
 
 
 def _logits(model: Any, tokenizer: Any) -> Any:
@@ -82,8 +134,9 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
 
     folder = exported["folder"]
     ggufs = folder / "gguf"
-    assert sorted(p.name for p in ggufs.iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
-    assert {"gguf/model-f16.gguf", "gguf/model-q8_0.gguf", "gguf/Modelfile"} <= set(read_manifest(folder).outputs)
+    files = ["Modelfile", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in ggufs.iterdir()) == files
+    assert {f"gguf/{name}" for name in files} <= set(read_manifest(folder).outputs)
     diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", tol)
              for kind, tol in TOLERANCE.items()}
     assert diffs["q8_0"] > diffs["f16"]  # it really is quantized, not f16 under another name
@@ -92,13 +145,54 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
     assert (ggufs / "Modelfile").read_text() == 'FROM ./model-f16.gguf\nPARAMETER stop "</s>"\n'
     # the published version carries the files, and both cards list them
     version = exported["version"]
-    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == files
     for card in (folder / "README.md", version / "README.md"):
         assert "GGUF files for llama.cpp and Ollama in `gguf/`: `model-f16.gguf`, `model-q8_0.gguf`" in card.read_text()
+        assert "The adapter as a GGUF LoRA in `gguf/`: `lora-f32.gguf` (`llama-server -m BASE.gguf --lora " \
+               "gguf/lora-f32.gguf`" in card.read_text()
+
+
+def _dequantized_base(model_dir: Path, out: Path) -> Any:
+    """prepare_model's 4-bit checkpoint dequantized (the weights the adapter was trained against), saved in out
+    with the tokenizer; returns the model."""
+    import torch
+
+    from tasks.runtime import TOKENIZER_FILES, load_quantized
+
+    base = load_quantized(model_dir).dequantize().to(torch.float32)
+    base.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+    return base
+
+
+def test_llama_cpp_reads_the_merged_ggufs_and_the_lora_on_the_base(exported: dict[str, Any], tmp_path: Path) -> None:
+    """llama.cpp itself: the merged f16 and q8_0 GGUFs give transformers' greedy tokens from the merged model; the
+    base GGUF with --lora lora-f32.gguf gives peft's base + adapter greedy tokens."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.export_adapter.gguf import write_gguf
+
+    version, merged = exported["version"], exported["folder"] / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    want_merged = hf_greedy(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), tokenizer)
+    base = _dequantized_base(Path(exported["model"]), tmp_path / "base")
+    write_gguf(tmp_path / "base", tmp_path / "base" / "gguf", ["f32"])
+    want_lora = hf_greedy(PeftModel.from_pretrained(base, version), tokenizer)
+    f16, q8_0, lora = llama_cpp([{"model": str(version / "gguf" / "model-f16.gguf")},
+                                 {"model": str(version / "gguf" / "model-q8_0.gguf")},
+                                 {"model": str(tmp_path / "base" / "gguf" / "model-f32.gguf"),
+                                  "lora": str(version / "gguf" / "lora-f32.gguf")}])
+    for got, want in ((f16, want_merged), (q8_0, want_merged), (lora, want_lora)):
+        assert_same_greedy(got, want)
 
 
 def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> None:
     import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tasks.export_adapter.gguf import write_gguf
     from tests.families import build_family_model
@@ -111,17 +205,78 @@ def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> Non
     _check_gguf_logits(merged, tmp_path / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
     field = gguf.GGUFReader(tmp_path / "gguf" / "model-q8_0.gguf").get_field("tokenizer.chat_template")
     assert field is not None and field.contents() == template
+    [got] = llama_cpp([{"model": str(tmp_path / "gguf" / "model-q8_0.gguf")}])
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lora_gguf_on_the_base_gguf_gives_peft_greedy_tokens(family: str, tmp_path: Path) -> None:
+    """A random (not zero-initialized) adapter on every Linear layer, so that a wrong layout (q/k rows, A/B
+    order, alpha) changes the answers: llama.cpp's base GGUF + --lora vs peft's base + adapter."""
+    import gguf
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
+    from tests.families import build_family_model
+
+    base = build_family_model(family, tmp_path / family)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    tuned = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    tuned.save_pretrained(tmp_path / "adapter")
+    write_gguf(base, tmp_path / "gguf", ["f32"])
+    assert write_lora_gguf(tmp_path / "adapter", base / "config.json", tmp_path / "gguf", ["f32"]) == \
+        ["gguf/lora-f32.gguf"]
+    reader = gguf.GGUFReader(tmp_path / "gguf" / "lora-f32.gguf")
+    fields = {key: reader.get_field(key).contents() for key in ("general.type", "general.architecture",
+                                                                 "adapter.type", "adapter.lora.alpha")}
+    assert fields == {"general.type": "adapter", "general.architecture": family, "adapter.type": "lora",
+                      "adapter.lora.alpha": 8.0}
+    # ggml's shapes (numpy's reversed): lora_a (in, r), lora_b (r, out), as llama.cpp's loader checks them
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    assert shapes["blk.0.attn_q.weight.lora_a"] == [64, 4] and shapes["blk.0.attn_q.weight.lora_b"] == [4, 64]
+    assert shapes["blk.0.attn_k.weight.lora_b"] == [4, 32] and shapes["blk.1.ffn_down.weight.lora_a"] == [128, 4]
+    assert len(shapes) == 2 * 7 * 2  # 7 Linear layers per block, 2 blocks, A and B
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    plain, adapted = llama_cpp([{"model": str(tmp_path / "gguf" / "model-f32.gguf")},
+                                {"model": str(tmp_path / "gguf" / "model-f32.gguf"),
+                                 "lora": str(tmp_path / "gguf" / "lora-f32.gguf")}])
+    with tuned.disable_adapter():
+        assert_same_greedy(plain, hf_greedy(tuned, tokenizer))
+    assert_same_greedy(adapted, hf_greedy(tuned, tokenizer))
+    assert [p["greedy"] for p in plain] != [p["greedy"] for p in adapted]  # the adapter was applied
+
+
+def test_adapters_llama_cpp_cannot_take_get_a_log_line_and_no_lora_gguf(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from tasks.export_adapter.gguf import write_lora_gguf
+    from tests.families import build_family_model
+
+    base = build_family_model("llama", tmp_path / "llama")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for extra, why in (({"use_dora": True}, "DoRA"), ({"alpha_pattern": {"q_proj": 32}}, "per-module ranks or alphas")):
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, **extra}))
+        with caplog.at_level(logging.INFO):
+            assert write_lora_gguf(adapter, base / "config.json", tmp_path / "gguf", ["f16"]) == []
+        assert f"no GGUF LoRA: llama.cpp's LoRA loader does not take {why}" in caplog.text
+    assert not (tmp_path / "gguf").exists()
 
 
 def test_family_the_writer_does_not_know_gets_a_log_line_and_no_gguf(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    from tasks.export_adapter.gguf import write_gguf
+    from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
     from tests.families import build_family_model
 
     merged = build_family_model("gpt2", tmp_path / "gpt2")
     with caplog.at_level(logging.INFO):
         assert write_gguf(merged, tmp_path / "gguf", ["q8_0"]) == []
     assert "no GGUF: family 'gpt2' is not one the GGUF export knows (llama, mistral, qwen2)" in caplog.text
+    (merged / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))  # the family decides first
+    assert write_lora_gguf(merged, merged / "config.json", tmp_path / "gguf", ["q8_0"]) == []
     assert not (tmp_path / "gguf").exists()
     # a known family with a tokenizer the writer cannot express (byte-fallback BPE, sentencepiece style)
     llama = build_family_model("llama", tmp_path / "llama")

@@ -187,8 +187,8 @@ def write_lora_gguf(adapter: Path, base_config: Path, out: Path, types: list[str
     config = json.loads(base_config.read_text())
     family = _family(config, types)
     lora = json.loads((adapter / "adapter_config.json").read_text())
-    alpha = _llama_cpp_alpha(lora)
-    pairs = _lora_pairs(adapter / "adapter_model.safetensors")
+    alpha = None if family is None else _llama_cpp_alpha(lora)
+    pairs = None if alpha is None else _lora_pairs(adapter / "adapter_model.safetensors")
     if family is None or alpha is None or pairs is None:
         return []
     import gguf

@@ -340,6 +340,37 @@ def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> Non
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
 
 
+def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_path: Path) -> None:
+    """The issue's "the same for DPO/KTO champions": a DPO adapter's export writes the merged GGUF, the GGUF LoRA and
+    the Modelfile, and llama.cpp reads the merged GGUF with transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.config import EMBEDDED_PREFERENCES, DataArgs, load_config
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.export_adapter.stage import export_adapter
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.train_adapter.stage import train_adapter
+
+    runs, model = stages["runs"], stages["model"]
+    config = load_config(None, ["train.method=dpo", "train.max_steps=2", "train.per_device_train_batch_size=4",
+                                "lora.r=4", "eval.max_samples=8", "eval.generation_samples=0", "export.name=dpo",
+                                "export.merge=true", "export.merged_dtype=float32", "export.gguf=[q8_0]"])
+    data = prepare_data.fn(DataArgs(source=str(EMBEDDED_PREFERENCES)), config.model, runs)
+    adapter = train_adapter.fn(config.lora, config.train, config.speed, runs, data, model)
+    evals = evaluate_adapter.fn(config.eval, runs, data, model, adapter)
+    export_adapter.fn(config.export, tmp_path, data, model, adapter, evals)
+    version = tmp_path.resolve() / "exports" / "dpo" / "v0001"
+    assert json.loads((version.parent / "champion.json").read_text())["version"] == "v0001"
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "lora-f32.gguf", "model-q8_0.gguf"]
+    assert "`lora-f32.gguf`" in (version / "README.md").read_text()
+    _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+    tokenizer = AutoTokenizer.from_pretrained(version / "merged")
+    [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(version / "merged", dtype=torch.float32),
+                                      tokenizer))
+
+
 def test_rows_that_are_not_whole_q8_0_blocks_stay_f16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import gguf
 

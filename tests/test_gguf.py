@@ -321,8 +321,9 @@ def test_adapter_folder_is_what_vllms_lora_loader_accepts(exported: dict[str, An
 
 
 @pytest.mark.slow
-def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> None:
-    """The issue's "done when": one CLI run with export.merge and export.gguf=[q8_0], its published GGUF read back."""
+def test_cli_run_publishes_a_gguf_that_transformers_and_llama_cpp_read(tmp_path: Path) -> None:
+    """The issue's "done when": one CLI run with export.merge and export.gguf=[q8_0], its published GGUF read back by
+    transformers and by llama.cpp."""
     from tests.conftest import SMALL_ROWS, cli_env, last_json, small_overrides
 
     data = tmp_path / "small.jsonl"
@@ -338,6 +339,12 @@ def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> Non
     version = Path(last_json(done.stdout)["metrics"]["export_path"])
     assert (version / "gguf" / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])  # llama.cpp, the third-party reader
+    merged = version / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer))
 
 
 def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_path: Path) -> None:

@@ -21,8 +21,9 @@ from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, ModelArgs
 PROMPTS = ["the answer to the question is", "what is two plus three", "hello"]
 # max |logit difference| vs the merged model, logits of magnitude ~1. f16 keeps 11 significant bits of each weight
 # (measured 5.6e-4 on the tiny Llama); q8_0 keeps 8 bits per 32-wide block (measured 1.6e-2). A wrong tensor
-# layout (e.g. q/k rows left unpermuted) moves them by far more than this.
-TOLERANCE = {"f16": 5e-3, "q8_0": 6e-2}
+# layout (e.g. q/k rows left unpermuted) moves them by far more than this. f32 keeps the weights: only llama.cpp's
+# order of summation differs (a bound, not measured).
+TOLERANCE = {"f32": 1e-3, "f16": 5e-3, "q8_0": 6e-2}
 NEW_TOKENS = 8
 # llama.cpp's own reader: node-llama-cpp's prebuilt llama.cpp, installed as README: Development says
 NODE_DIR = PROJECT_ROOT / "tests" / ".node"
@@ -70,8 +71,9 @@ def llama_cpp(requests: list[dict[str, Any]]) -> list[list[dict[str, list[int]]]
     return [result["prompts"] for result in json.loads(done.stdout)]
 
 
-def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[int]]]:
-    """Per PROMPTS entry, the tokenizer's ids and transformers' NEW_TOKENS greedy tokens (llama_cpp's format)."""
+def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[Any]]]:
+    """Per PROMPTS entry, the tokenizer's ids, transformers' NEW_TOKENS greedy tokens (llama_cpp's format) and at
+    each step the margin between the top two logits."""
     import torch
 
     out = []
@@ -79,17 +81,26 @@ def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[int]]]:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             greedy = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
-        out.append({"tokens": ids[0].tolist(), "greedy": greedy[0, ids.shape[1]:].tolist()})
+                                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
+                                           output_logits=True, return_dict_in_generate=True)
+        margins = [float(top[0, 0] - top[0, 1]) for top in (step.topk(2).values for step in greedy.logits)]
+        out.append({"tokens": ids[0].tolist(), "greedy": greedy.sequences[0, ids.shape[1]:].tolist(),
+                    "margins": margins})
     return out
 
 
-def assert_same_greedy(got: list[dict[str, list[int]]], want: list[dict[str, list[int]]]) -> None:
-    """llama.cpp read the prompts as the tokenizer does and picked transformers' greedy tokens (up to where
-    transformers stopped at end-of-sequence)."""
+def assert_same_greedy(got: list[dict[str, list[int]]], want: list[dict[str, list[Any]]], kind: str) -> None:
+    """llama.cpp read the prompts as the tokenizer does and picked transformers' greedy tokens: every one up to
+    where transformers stopped (end-of-sequence) or its top two logits came closer than twice the GGUF type's
+    logit tolerance (there the weights' rounding may pick the other one, and the two continuations part); at least
+    the first token of most prompts is compared."""
+    compared = 0
     for prompt, llama, hf in zip(PROMPTS, got, want, strict=True):
         assert llama["tokens"] == hf["tokens"], prompt
-        assert llama["greedy"][:len(hf["greedy"])] == hf["greedy"], prompt
+        sure = next((i for i, m in enumerate(hf["margins"]) if m < 2 * TOLERANCE[kind]), len(hf["greedy"]))
+        assert llama["greedy"][:sure] == hf["greedy"][:sure], (prompt, hf["margins"])
+        compared += sure
+    assert compared >= len(PROMPTS), (compared, want)
 
 
 def _logits(model: Any, tokenizer: Any) -> Any:
@@ -137,8 +148,8 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
     files = ["Modelfile", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
     assert sorted(p.name for p in ggufs.iterdir()) == files
     assert {f"gguf/{name}" for name in files} <= set(read_manifest(folder).outputs)
-    diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", tol)
-             for kind, tol in TOLERANCE.items()}
+    diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", TOLERANCE[kind])
+             for kind in ("f16", "q8_0")}
     assert diffs["q8_0"] > diffs["f16"]  # it really is quantized, not f16 under another name
     tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(ggufs / "model-q8_0.gguf").tensors}
     assert tensors["blk.0.attn_q.weight"] == "Q8_0" and tensors["blk.0.attn_norm.weight"] == "F32"
@@ -186,8 +197,8 @@ def test_llama_cpp_reads_the_merged_ggufs_and_the_lora_on_the_base(exported: dic
                                  {"model": str(version / "gguf" / "model-q8_0.gguf")},
                                  {"model": str(tmp_path / "base" / "gguf" / "model-f32.gguf"),
                                   "lora": str(version / "gguf" / "lora-f32.gguf")}])
-    for got, want in ((f16, want_merged), (q8_0, want_merged), (lora, want_lora)):
-        assert_same_greedy(got, want)
+    for got, want, kind in ((f16, want_merged, "f16"), (q8_0, want_merged, "q8_0"), (lora, want_lora, "f32")):
+        assert_same_greedy(got, want, kind)
 
 
 def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> None:
@@ -207,7 +218,7 @@ def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> Non
     assert field is not None and field.contents() == template
     [got] = llama_cpp([{"model": str(tmp_path / "gguf" / "model-q8_0.gguf")}])
     tokenizer = AutoTokenizer.from_pretrained(merged)
-    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer))
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer), "q8_0")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -245,8 +256,8 @@ def test_lora_gguf_on_the_base_gguf_gives_peft_greedy_tokens(family: str, tmp_pa
                                 {"model": str(tmp_path / "gguf" / "model-f32.gguf"),
                                  "lora": str(tmp_path / "gguf" / "lora-f32.gguf")}])
     with tuned.disable_adapter():
-        assert_same_greedy(plain, hf_greedy(tuned, tokenizer))
-    assert_same_greedy(adapted, hf_greedy(tuned, tokenizer))
+        assert_same_greedy(plain, hf_greedy(tuned, tokenizer), "f32")
+    assert_same_greedy(adapted, hf_greedy(tuned, tokenizer), "f32")
     assert [p["greedy"] for p in plain] != [p["greedy"] for p in adapted]  # the adapter was applied
 
 
@@ -344,7 +355,7 @@ def test_cli_run_publishes_a_gguf_that_transformers_and_llama_cpp_read(tmp_path:
     [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])  # llama.cpp, the third-party reader
     merged = version / "merged"
     tokenizer = AutoTokenizer.from_pretrained(merged)
-    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer))
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer), "q8_0")
 
 
 def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_path: Path) -> None:
@@ -374,8 +385,8 @@ def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
     tokenizer = AutoTokenizer.from_pretrained(version / "merged")
     [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])
-    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(version / "merged", dtype=torch.float32),
-                                      tokenizer))
+    merged = AutoModelForCausalLM.from_pretrained(version / "merged", dtype=torch.float32)
+    assert_same_greedy(got, hf_greedy(merged, tokenizer), "q8_0")
 
 
 def test_rows_that_are_not_whole_q8_0_blocks_stay_f16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

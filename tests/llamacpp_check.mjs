@@ -4,9 +4,9 @@
 //
 // NODE_DIR holds node_modules/node-llama-cpp (README: Development installs it in tests/.node). REQUEST is a list of
 // {"model": PATH, "lora": PATH or null, "prompts": [...], "new_tokens": N}, read in one process (starting llama.cpp
-// takes seconds). Prints one JSON list, per request {"prompts": [{"tokens": [...], "greedy": [...]}]}: each
-// prompt's tokens as llama.cpp's tokenizer reads the GGUF vocabulary (BOS first where the GGUF asks for it) and N
-// greedy next tokens.
+// takes seconds). Prints one JSON list, per request {"prompts": [{"tokens": [...], "logprobs": [...], "greedy":
+// [...]}]}: each prompt's tokens as llama.cpp's tokenizer reads the GGUF vocabulary (BOS first where the GGUF asks
+// for it), the next token's log-probabilities (by token id) and N greedy next tokens.
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
 import { resolve } from "node:path";
@@ -31,14 +31,23 @@ async function read(request) {
       contextSize: 256, batchSize: 256, sequences: 1, threads: 1, // tiny models: one thread, no spinning pool
       ...(request.lora ? { lora: { adapters: [{ filePath: request.lora, scale: 1 }] } } : {}),
     });
+    const sequence = context.getSequence();
     const tokens = [...(bos === null ? [] : [bos]), ...model.tokenize(prompt)];
+    // the next token's distribution over the whole vocabulary, no sampling option narrowing it
+    const logprobs = [];
+    for await (const step of sequence.evaluateWithMetadata(
+      tokens, { probabilities: true }, { temperature: 1, topK: 0, topP: 1, minP: 0 })) {
+      for (const [token, p] of step.probabilities) logprobs[token] = Math.log(p);
+      break;
+    }
+    await sequence.clearHistory();
     const greedy = [];
     // temperature 0: argmax of the logits, the same rule as transformers' greedy generate
-    for await (const token of context.getSequence().evaluate(tokens, { temperature: 0 })) {
+    for await (const token of sequence.evaluate(tokens, { temperature: 0 })) {
       greedy.push(token);
       if (greedy.length >= request.new_tokens) break;
     }
-    prompts.push({ tokens, greedy });
+    prompts.push({ tokens, greedy, logprobs });
     await context.dispose();
   }
   await model.dispose();

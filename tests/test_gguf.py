@@ -72,8 +72,8 @@ def llama_cpp(requests: list[dict[str, Any]]) -> list[list[dict[str, list[int]]]
 
 
 def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[Any]]]:
-    """Per PROMPTS entry, the tokenizer's ids, transformers' NEW_TOKENS greedy tokens (llama_cpp's format) and at
-    each step the margin between the top two logits."""
+    """Per PROMPTS entry as llama_cpp gives it: the tokenizer's ids, the next token's log-probabilities and
+    transformers' NEW_TOKENS greedy tokens; and at each greedy step the margin between the top two logits."""
     import torch
 
     out = []
@@ -85,22 +85,25 @@ def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[Any]]]:
                                            output_logits=True, return_dict_in_generate=True)
         margins = [float(top[0, 0] - top[0, 1]) for top in (step.topk(2).values for step in greedy.logits)]
         out.append({"tokens": ids[0].tolist(), "greedy": greedy.sequences[0, ids.shape[1]:].tolist(),
-                    "margins": margins})
+                    "logprobs": greedy.logits[0][0].float().log_softmax(-1).tolist(), "margins": margins})
     return out
 
 
-def assert_same_greedy(got: list[dict[str, list[int]]], want: list[dict[str, list[Any]]], kind: str) -> None:
-    """llama.cpp read the prompts as the tokenizer does and picked transformers' greedy tokens: every one up to
-    where transformers stopped (end-of-sequence) or its top two logits came closer than twice the GGUF type's
-    logit tolerance (there the weights' rounding may pick the other one, and the two continuations part); at least
-    the first token of most prompts is compared."""
-    compared = 0
+def assert_same_greedy(got: list[dict[str, list[Any]]], want: list[dict[str, list[Any]]], kind: str) -> None:
+    """llama.cpp read the prompts as the tokenizer does; its next-token log-probabilities are transformers' within
+    twice the GGUF type's logit tolerance (log-softmax moves by at most twice the largest logit change), over the
+    whole vocabulary; and it picked transformers' greedy tokens up to where transformers stopped (end-of-sequence)
+    or its top two logits came closer than that (there the weights' rounding may pick the other one, and the two
+    continuations part)."""
+    import numpy as np
+
     for prompt, llama, hf in zip(PROMPTS, got, want, strict=True):
         assert llama["tokens"] == hf["tokens"], prompt
+        assert len(llama["logprobs"]) == len(hf["logprobs"]) and None not in llama["logprobs"], prompt
+        diff = float(np.abs(np.array(llama["logprobs"]) - np.array(hf["logprobs"])).max())
+        assert diff < 2 * TOLERANCE[kind], (prompt, kind, diff)
         sure = next((i for i, m in enumerate(hf["margins"]) if m < 2 * TOLERANCE[kind]), len(hf["greedy"]))
         assert llama["greedy"][:sure] == hf["greedy"][:sure], (prompt, hf["margins"])
-        compared += sure
-    assert compared >= len(PROMPTS), (compared, want)
 
 
 def _logits(model: Any, tokenizer: Any) -> Any:

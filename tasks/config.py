@@ -407,7 +407,8 @@ class ExportArgs(_Section):
     max_shard_size: str = Field("5GB", description="Largest safetensors shard of the merged model (save_pretrained).")
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = Field(
         default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one per "
-        "type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile, in gguf/; needs merge. The types are those the "
+        "type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile and the adapter as a GGUF LoRA for llama.cpp's "
+        "--lora (lora-f32.gguf), in gguf/; needs merge. The types are those the "
         "gguf package quantizes itself; for k-quants (q4_k_m) run llama.cpp's llama-quantize on the f16 file.",
     )
 

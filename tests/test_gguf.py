@@ -1,10 +1,13 @@
-"""export.gguf: the merged model as GGUF (checked by transformers' own GGUF reader), the Ollama Modelfile, and the
-adapter folder checked against vLLM's LoRA loader rules."""
+"""export.gguf: the merged model as GGUF (checked by transformers' own GGUF reader and by llama.cpp itself), the
+GGUF LoRA adapter (llama.cpp on the base GGUF vs peft), the Ollama Modelfile, and the adapter folder checked against
+vLLM's LoRA loader rules."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +21,14 @@ from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, ModelArgs
 PROMPTS = ["the answer to the question is", "what is two plus three", "hello"]
 # max |logit difference| vs the merged model, logits of magnitude ~1. f16 keeps 11 significant bits of each weight
 # (measured 5.6e-4 on the tiny Llama); q8_0 keeps 8 bits per 32-wide block (measured 1.6e-2). A wrong tensor
-# layout (e.g. q/k rows left unpermuted) moves them by far more than this.
-TOLERANCE = {"f16": 5e-3, "q8_0": 6e-2}
+# layout (e.g. q/k rows left unpermuted) moves them by far more than this. f32 keeps the weights: only llama.cpp's
+# order of summation differs (a bound, not measured).
+TOLERANCE = {"f32": 1e-3, "f16": 5e-3, "q8_0": 6e-2}
+NEW_TOKENS = 8
+# llama.cpp's own reader: node-llama-cpp's prebuilt llama.cpp, installed as README: Development says
+NODE_DIR = PROJECT_ROOT / "tests" / ".node"
+NODE_INSTALL = ("npm i -E --ignore-scripts --omit=optional --no-audit --no-fund --prefix tests/.node "
+                "node-llama-cpp@3.21.1 @node-llama-cpp/linux-x64@3.21.1")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +46,64 @@ def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     args = ExportArgs(name="gguftest", merge=True, merged_dtype="float32", gguf=["f16", "q8_0"])
     out = tmp_path_factory.mktemp("export")
     folder = Path(export_adapter.fn(args, out, stages["data"], stages["model"], adapter, evals))
-    return {"folder": folder, "version": out.resolve() / "exports" / "gguftest" / "v0001"}
+    return {"folder": folder, "version": out.resolve() / "exports" / "gguftest" / "v0001", "model": stages["model"]}
+
+
+def llama_cpp(requests: list[dict[str, Any]]) -> list[list[dict[str, list[int]]]]:
+    """Each {"model": GGUF, "lora": GGUF or None} read by llama.cpp (tests/llamacpp_check.mjs): per request, per
+    PROMPTS entry, {"tokens": prompt tokens, "greedy": NEW_TOKENS greedy tokens}. CI must have the reader (fail);
+    elsewhere a missing one skips with the command that installs it."""
+    node = shutil.which("node")
+    if node is None or not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
+        missing = f"llama.cpp's reader is not installed (node: {node}; {NODE_DIR}): run {NODE_INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    request = NODE_DIR / f"request-{os.getpid()}.json"
+    request.write_text(json.dumps([{"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "lora": None, **r}
+                                   for r in requests]))
+    try:
+        done = subprocess.run([node, str(PROJECT_ROOT / "tests" / "llamacpp_check.mjs"), str(NODE_DIR), str(request)],
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        request.unlink()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [result["prompts"] for result in json.loads(done.stdout)]
+
+
+def hf_greedy(model: Any, tokenizer: Any) -> list[dict[str, list[Any]]]:
+    """Per PROMPTS entry as llama_cpp gives it: the tokenizer's ids, the next token's log-probabilities and
+    transformers' NEW_TOKENS greedy tokens; and at each greedy step the margin between the top two logits."""
+    import torch
+
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            greedy = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
+                                           output_logits=True, return_dict_in_generate=True)
+        margins = [float(top[0, 0] - top[0, 1]) for top in (step.topk(2).values for step in greedy.logits)]
+        out.append({"tokens": ids[0].tolist(), "greedy": greedy.sequences[0, ids.shape[1]:].tolist(),
+                    "logprobs": greedy.logits[0][0].float().log_softmax(-1).tolist(), "margins": margins})
+    return out
+
+
+def assert_same_greedy(got: list[dict[str, list[Any]]], want: list[dict[str, list[Any]]], kind: str) -> None:
+    """llama.cpp read the prompts as the tokenizer does; its next-token log-probabilities are transformers' within
+    twice the GGUF type's logit tolerance (log-softmax moves by at most twice the largest logit change), over the
+    whole vocabulary; and it picked transformers' greedy tokens up to where transformers stopped (end-of-sequence)
+    or its top two logits came closer than that (there the weights' rounding may pick the other one, and the two
+    continuations part)."""
+    import numpy as np
+
+    for prompt, llama, hf in zip(PROMPTS, got, want, strict=True):
+        assert llama["tokens"] == hf["tokens"], prompt
+        assert len(llama["logprobs"]) == len(hf["logprobs"]) and None not in llama["logprobs"], prompt
+        diff = float(np.abs(np.array(llama["logprobs"]) - np.array(hf["logprobs"])).max())
+        assert diff < 2 * TOLERANCE[kind], (prompt, kind, diff)
+        sure = next((i for i, m in enumerate(hf["margins"]) if m < 2 * TOLERANCE[kind]), len(hf["greedy"]))
+        assert llama["greedy"][:sure] == hf["greedy"][:sure], (prompt, hf["margins"])
 
 
 def _logits(model: Any, tokenizer: Any) -> Any:
@@ -82,23 +148,65 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
 
     folder = exported["folder"]
     ggufs = folder / "gguf"
-    assert sorted(p.name for p in ggufs.iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
-    assert {"gguf/model-f16.gguf", "gguf/model-q8_0.gguf", "gguf/Modelfile"} <= set(read_manifest(folder).outputs)
-    diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", tol)
-             for kind, tol in TOLERANCE.items()}
+    files = ["Modelfile", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in ggufs.iterdir()) == files
+    assert {f"gguf/{name}" for name in files} <= set(read_manifest(folder).outputs)
+    diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", TOLERANCE[kind])
+             for kind in ("f16", "q8_0")}
     assert diffs["q8_0"] > diffs["f16"]  # it really is quantized, not f16 under another name
     tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(ggufs / "model-q8_0.gguf").tensors}
     assert tensors["blk.0.attn_q.weight"] == "Q8_0" and tensors["blk.0.attn_norm.weight"] == "F32"
     assert (ggufs / "Modelfile").read_text() == 'FROM ./model-f16.gguf\nPARAMETER stop "</s>"\n'
     # the published version carries the files, and both cards list them
     version = exported["version"]
-    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == files
     for card in (folder / "README.md", version / "README.md"):
         assert "GGUF files for llama.cpp and Ollama in `gguf/`: `model-f16.gguf`, `model-q8_0.gguf`" in card.read_text()
+        assert "The adapter as a GGUF LoRA in `gguf/`: `lora-f32.gguf` (`llama-server -m BASE.gguf --lora " \
+               "gguf/lora-f32.gguf`" in card.read_text()
+
+
+def _dequantized_base(model_dir: Path, out: Path) -> Any:
+    """prepare_model's 4-bit checkpoint dequantized (the weights the adapter was trained against), saved in out
+    with the tokenizer; returns the model."""
+    import torch
+
+    from tasks.runtime import TOKENIZER_FILES, load_quantized
+
+    base = load_quantized(model_dir).dequantize().to(torch.float32)
+    base.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+    return base
+
+
+def test_llama_cpp_reads_the_merged_ggufs_and_the_lora_on_the_base(exported: dict[str, Any], tmp_path: Path) -> None:
+    """llama.cpp itself: the merged f16 and q8_0 GGUFs give transformers' greedy tokens from the merged model; the
+    base GGUF with --lora lora-f32.gguf gives peft's base + adapter greedy tokens."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.export_adapter.gguf import write_gguf
+
+    version, merged = exported["version"], exported["folder"] / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    want_merged = hf_greedy(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), tokenizer)
+    base = _dequantized_base(Path(exported["model"]), tmp_path / "base")
+    write_gguf(tmp_path / "base", tmp_path / "base" / "gguf", ["f32"])
+    want_lora = hf_greedy(PeftModel.from_pretrained(base, version), tokenizer)
+    f16, q8_0, lora = llama_cpp([{"model": str(version / "gguf" / "model-f16.gguf")},
+                                 {"model": str(version / "gguf" / "model-q8_0.gguf")},
+                                 {"model": str(tmp_path / "base" / "gguf" / "model-f32.gguf"),
+                                  "lora": str(version / "gguf" / "lora-f32.gguf")}])
+    for got, want, kind in ((f16, want_merged, "f16"), (q8_0, want_merged, "q8_0"), (lora, want_lora, "f32")):
+        assert_same_greedy(got, want, kind)
 
 
 def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> None:
     import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tasks.export_adapter.gguf import write_gguf
     from tests.families import build_family_model
@@ -111,17 +219,78 @@ def test_qwen2_gguf_matches_and_carries_the_chat_template(tmp_path: Path) -> Non
     _check_gguf_logits(merged, tmp_path / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
     field = gguf.GGUFReader(tmp_path / "gguf" / "model-q8_0.gguf").get_field("tokenizer.chat_template")
     assert field is not None and field.contents() == template
+    [got] = llama_cpp([{"model": str(tmp_path / "gguf" / "model-q8_0.gguf")}])
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer), "q8_0")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lora_gguf_on_the_base_gguf_gives_peft_greedy_tokens(family: str, tmp_path: Path) -> None:
+    """A random (not zero-initialized) adapter on every Linear layer, so that a wrong layout (q/k rows, A/B
+    order, alpha) changes the answers: llama.cpp's base GGUF + --lora vs peft's base + adapter."""
+    import gguf
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
+    from tests.families import build_family_model
+
+    base = build_family_model(family, tmp_path / family)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    tuned = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    tuned.save_pretrained(tmp_path / "adapter")
+    write_gguf(base, tmp_path / "gguf", ["f32"])
+    assert write_lora_gguf(tmp_path / "adapter", base / "config.json", tmp_path / "gguf", ["f32"]) == \
+        ["gguf/lora-f32.gguf"]
+    reader = gguf.GGUFReader(tmp_path / "gguf" / "lora-f32.gguf")
+    fields = {key: reader.get_field(key).contents() for key in ("general.type", "general.architecture",
+                                                                 "adapter.type", "adapter.lora.alpha")}
+    assert fields == {"general.type": "adapter", "general.architecture": family, "adapter.type": "lora",
+                      "adapter.lora.alpha": 8.0}
+    # ggml's shapes (numpy's reversed): lora_a (in, r), lora_b (r, out), as llama.cpp's loader checks them
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    assert shapes["blk.0.attn_q.weight.lora_a"] == [64, 4] and shapes["blk.0.attn_q.weight.lora_b"] == [4, 64]
+    assert shapes["blk.0.attn_k.weight.lora_b"] == [4, 32] and shapes["blk.1.ffn_down.weight.lora_a"] == [128, 4]
+    assert len(shapes) == 2 * 7 * 2  # 7 Linear layers per block, 2 blocks, A and B
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    plain, adapted = llama_cpp([{"model": str(tmp_path / "gguf" / "model-f32.gguf")},
+                                {"model": str(tmp_path / "gguf" / "model-f32.gguf"),
+                                 "lora": str(tmp_path / "gguf" / "lora-f32.gguf")}])
+    with tuned.disable_adapter():
+        assert_same_greedy(plain, hf_greedy(tuned, tokenizer), "f32")
+    assert_same_greedy(adapted, hf_greedy(tuned, tokenizer), "f32")
+    assert [p["greedy"] for p in plain] != [p["greedy"] for p in adapted]  # the adapter was applied
+
+
+def test_adapters_llama_cpp_cannot_take_get_a_log_line_and_no_lora_gguf(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from tasks.export_adapter.gguf import write_lora_gguf
+    from tests.families import build_family_model
+
+    base = build_family_model("llama", tmp_path / "llama")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for extra, why in (({"use_dora": True}, "DoRA"), ({"alpha_pattern": {"q_proj": 32}}, "per-module ranks or alphas")):
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, **extra}))
+        with caplog.at_level(logging.INFO):
+            assert write_lora_gguf(adapter, base / "config.json", tmp_path / "gguf", ["f16"]) == []
+        assert f"no GGUF LoRA: llama.cpp's LoRA loader does not take {why}" in caplog.text
+    assert not (tmp_path / "gguf").exists()
 
 
 def test_family_the_writer_does_not_know_gets_a_log_line_and_no_gguf(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    from tasks.export_adapter.gguf import write_gguf
+    from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
     from tests.families import build_family_model
 
     merged = build_family_model("gpt2", tmp_path / "gpt2")
     with caplog.at_level(logging.INFO):
         assert write_gguf(merged, tmp_path / "gguf", ["q8_0"]) == []
     assert "no GGUF: family 'gpt2' is not one the GGUF export knows (llama, mistral, qwen2)" in caplog.text
+    (merged / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))  # the family decides first
+    assert write_lora_gguf(merged, merged / "config.json", tmp_path / "gguf", ["q8_0"]) == []
     assert not (tmp_path / "gguf").exists()
     # a known family with a tokenizer the writer cannot express (byte-fallback BPE, sentencepiece style)
     llama = build_family_model("llama", tmp_path / "llama")
@@ -166,8 +335,9 @@ def test_adapter_folder_is_what_vllms_lora_loader_accepts(exported: dict[str, An
 
 
 @pytest.mark.slow
-def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> None:
-    """The issue's "done when": one CLI run with export.merge and export.gguf=[q8_0], its published GGUF read back."""
+def test_cli_run_publishes_a_gguf_that_transformers_and_llama_cpp_read(tmp_path: Path) -> None:
+    """The issue's "done when": one CLI run with export.merge and export.gguf=[q8_0], its published GGUF read back by
+    transformers and by llama.cpp."""
     from tests.conftest import SMALL_ROWS, cli_env, last_json, small_overrides
 
     data = tmp_path / "small.jsonl"
@@ -183,6 +353,43 @@ def test_cli_run_publishes_a_gguf_that_transformers_reads(tmp_path: Path) -> Non
     version = Path(last_json(done.stdout)["metrics"]["export_path"])
     assert (version / "gguf" / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])  # llama.cpp, the third-party reader
+    merged = version / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert_same_greedy(got, hf_greedy(AutoModelForCausalLM.from_pretrained(merged), tokenizer), "q8_0")
+
+
+def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_path: Path) -> None:
+    """The issue's "the same for DPO/KTO champions": a DPO adapter's export writes the merged GGUF, the GGUF LoRA and
+    the Modelfile, and llama.cpp reads the merged GGUF with transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.config import EMBEDDED_PREFERENCES, DataArgs, load_config
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.export_adapter.stage import export_adapter
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.train_adapter.stage import train_adapter
+
+    runs, model = stages["runs"], stages["model"]
+    config = load_config(None, ["train.method=dpo", "train.max_steps=2", "train.per_device_train_batch_size=4",
+                                "lora.r=4", "eval.max_samples=8", "eval.generation_samples=0", "export.name=dpo",
+                                "export.merge=true", "export.merged_dtype=float32", "export.gguf=[q8_0]"])
+    data = prepare_data.fn(DataArgs(source=str(EMBEDDED_PREFERENCES)), config.model, runs)
+    adapter = train_adapter.fn(config.lora, config.train, config.speed, runs, data, model)
+    evals = evaluate_adapter.fn(config.eval, runs, data, model, adapter)
+    export_adapter.fn(config.export, tmp_path, data, model, adapter, evals)
+    version = tmp_path.resolve() / "exports" / "dpo" / "v0001"
+    assert json.loads((version.parent / "champion.json").read_text())["version"] == "v0001"
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "lora-f32.gguf", "model-q8_0.gguf"]
+    assert "`lora-f32.gguf`" in (version / "README.md").read_text()
+    _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
+    tokenizer = AutoTokenizer.from_pretrained(version / "merged")
+    [got] = llama_cpp([{"model": str(version / "gguf" / "model-q8_0.gguf")}])
+    merged = AutoModelForCausalLM.from_pretrained(version / "merged", dtype=torch.float32)
+    assert_same_greedy(got, hf_greedy(merged, tokenizer), "q8_0")
 
 
 def test_rows_that_are_not_whole_q8_0_blocks_stay_f16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

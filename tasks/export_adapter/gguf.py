@@ -1,7 +1,9 @@
 """GGUF files of the merged model for llama.cpp and Ollama, and the Ollama Modelfile beside them.
 
 Reads merged/ (safetensors, config.json, tokenizer.json: the stage's merged model) and writes gguf/model-<type>.gguf
-per requested type and gguf/Modelfile. The `gguf` package (llama.cpp's gguf-py) names the tensors
+per requested type and gguf/Modelfile; reads the adapter (adapter_config.json, adapter_model.safetensors) and writes
+gguf/lora-f32.gguf, the adapter for `llama-server -m BASE.gguf --lora lora-f32.gguf`.
+The `gguf` package (llama.cpp's gguf-py) names the tensors
 (TensorNameMap), quantizes them (gguf.quants) and writes the file (GGUFWriter); it ships no HF converter
 (convert_hf_to_gguf.py is only in llama.cpp's source tree), so the few per-family facts it needs are in FAMILIES.
 A family not listed there gets one log line and no GGUF.
@@ -32,14 +34,9 @@ def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
     if not types:
         return []
     config = json.loads((merged / "config.json").read_text())
-    family = FAMILIES.get(config.get("model_type", ""))
+    family = _family(config, types)
     if family is None:
-        logger().info("export_adapter: no GGUF: family %r is not one the GGUF export knows (%s)",
-                      config.get("model_type"), ", ".join(FAMILIES))
         return []
-    if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"export.gguf={types} needs the gguf package, which is not installed: install the serving "
-                        "extra (pip install -e \".[serving]\") or set export.gguf=[]")
     if not _byte_level_bpe(merged / "tokenizer.json"):
         logger().info("export_adapter: no GGUF: the tokenizer is not byte-level BPE, the one vocabulary the GGUF "
                       "export writes (sentencepiece-style tokenizers are not supported yet)")
@@ -49,6 +46,19 @@ def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
     (out / "Modelfile").write_text(modelfile(names[0], merged))
     logger().info("export_adapter: GGUF %s in %s", ", ".join(names), out)
     return [f"{out.name}/{name}" for name in [*names, "Modelfile"]]
+
+
+def _family(config: dict[str, Any], types: list[str]) -> tuple[str, bool] | None:
+    """The family's (GGUF architecture, permute q/k); None, with one log line, for a family the export does not know."""
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family is None:
+        logger().info("export_adapter: no GGUF: family %r is not one the GGUF export knows (%s)",
+                      config.get("model_type"), ", ".join(FAMILIES))
+        return None
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"export.gguf={types} needs the gguf package, which is not installed: install the serving "
+                        "extra (pip install -e \".[serving]\") or set export.gguf=[]")
+    return family
 
 
 def _byte_level_bpe(tokenizer_json: Path) -> bool:
@@ -166,3 +176,82 @@ def modelfile(gguf_name: str, merged: Path) -> str:
     # the chat template travels in the GGUF's tokenizer.chat_template key, which Ollama reads itself
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     return "\n".join(lines) + "\n"
+
+
+def write_lora_gguf(adapter: Path, base_config: Path, out: Path, types: list[str]) -> list[str]:
+    """Write the adapter folder's LoRA as out/lora-f32.gguf for llama.cpp's --lora (on a GGUF of the base model with
+    llama.cpp's tensor names and q/k layout, as write_gguf and llama.cpp's converter write it); the file written,
+    relative to out's parent (none for a family or an adapter llama.cpp's LoRA loader does not take)."""
+    if not types:
+        return []
+    config = json.loads(base_config.read_text())
+    family = _family(config, types)
+    lora = json.loads((adapter / "adapter_config.json").read_text())
+    alpha = None if family is None else _llama_cpp_alpha(lora)
+    pairs = None if alpha is None else _lora_pairs(adapter / "adapter_model.safetensors")
+    if family is None or alpha is None or pairs is None:
+        return []
+    import gguf
+
+    arch_name, permute = family
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "lora-f32.gguf"
+    writer = gguf.GGUFWriter(path, arch_name)
+    # what llama.cpp's adapter loader checks: general.type, the base architecture, adapter.type; alpha scales
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for module, (a, b) in sorted(pairs.items()):
+        name = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if name is None:
+            raise ValueError(f"GGUF LoRA export: no {arch_name} GGUF name for {module}")
+        if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
+            # the base's q/k rows are permuted (write_gguf); the update B @ A permutes with B's rows
+            b = _permute(b, heads if ".attn_q." in name else kv_heads)
+        # PEFT's A (r x in) and B (out x r) are already the shapes llama.cpp's loader expects (ggml's ne[0] is
+        # numpy's last axis): lora_a ne = (in, r), lora_b ne = (r, out)
+        writer.add_tensor(f"{name}.lora_a", a)
+        writer.add_tensor(f"{name}.lora_b", b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    logger().info("export_adapter: GGUF LoRA %s (%d layers, alpha %s)", path, len(pairs), alpha)
+    return [f"{out.name}/{path.name}"]
+
+
+def _llama_cpp_alpha(lora: dict[str, Any]) -> float | None:
+    """The adapter.lora.alpha giving PEFT's scale under llama.cpp's rule (scale = alpha / rank of each layer);
+    None, with one log line, for adapters that rule cannot express."""
+    why = ("DoRA" if lora.get("use_dora") else "per-module ranks or alphas" if lora.get("rank_pattern")
+           or lora.get("alpha_pattern") else "trained modules_to_save" if lora.get("modules_to_save") else None)
+    if why:
+        logger().info("export_adapter: no GGUF LoRA: llama.cpp's LoRA loader does not take %s (the merged GGUF "
+                      "carries the adapter)", why)
+        return None
+    alpha, rank = float(lora["lora_alpha"]), lora["r"]
+    # rsLoRA scales by alpha / sqrt(r): the same scale under llama.cpp's alpha / r
+    return alpha * rank**0.5 if lora.get("use_rslora") else alpha
+
+
+def _lora_pairs(weights: Path) -> dict[str, tuple[Any, Any]] | None:
+    """PEFT's lora_A/lora_B weights as float32 numpy, by the base module's name (model.layers.0.self_attn.q_proj);
+    None, with one log line, when the adapter has other tensors."""
+    from safetensors import safe_open
+
+    pairs: dict[str, dict[str, Any]] = {}
+    with safe_open(weights, framework="pt") as f:
+        for key in f.keys():
+            stem, _, part = key.removeprefix("base_model.model.").removesuffix(".weight").rpartition(".")
+            if part not in ("lora_A", "lora_B"):
+                # lora_embedding_A/B (an adapted embedding) follow a layout llama.cpp's converter only knows from
+                # mergekit; trained biases have no place in a GGUF LoRA
+                logger().info("export_adapter: no GGUF LoRA: %s is not a Linear layer's lora_A/lora_B weight (the "
+                              "merged GGUF carries the adapter)", key)
+                return None
+            pairs.setdefault(stem, {})[part] = f.get_tensor(key).float().numpy()
+    return {stem: (ab["lora_A"], ab["lora_B"]) for stem, ab in pairs.items()}

@@ -29,16 +29,15 @@ from prefect import task
 from tasks import disk, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
-from tasks.export_adapter.gguf import write_gguf
+from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
-# 4: export.gguf (gguf/ files, Modelfile)
-# 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their Conv1D layers; 2: registry, merged model, generation
-# metrics
-VERSION = "4"
+# 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
+# Conv1D layers; 2: registry, merged model, generation metrics
+VERSION = "5"
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]
@@ -75,6 +74,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
         ggufs = write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf) if args.merge else []
+        ggufs += write_lora_gguf(stage.dir, stage.dir / "merged" / "config.json", stage.dir / "gguf",
+                                 args.gguf) if args.merge else []
         outputs += ggufs
         card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
@@ -187,9 +188,12 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
               f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
               if config["export"]["merge"] else "")
-    ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf")]
+    loras = [Path(g).name for g in ggufs or [] if Path(g).name.startswith("lora-")]
+    ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf") and Path(g).name not in loras]
     merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
                "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if ggufs else "")
+    merged += (f"\nThe adapter as a GGUF LoRA in `gguf/`: `{loras[0]}` (`llama-server -m BASE.gguf --lora "
+               f"gguf/{loras[0]}`, BASE.gguf: `{base}` as GGUF).\n" if loras else "")
     return f"""---
 library_name: peft
 base_model: {base}

@@ -242,16 +242,17 @@ def training_runner() -> Iterator[Any]:
     flow's own runner (one stage task at a time) where there is no pool of devices.
 
     Why not more in one process: two trainings in the flow-run process share its global state. torch's default
-    RNG is one per process, and each Trainer seeds it (transformers.set_seed) and then draws the LoRA weights'
-    initial values and every dropout mask from it: a second training's seeding and draws interleave with the
-    first's, so the same cache key got another adapter (tuned eval loss 5.976 against 5.951). transformers also
-    sets torch's default dtype process-wide while it loads a model, which an evaluation in another thread sees.
+    RNG is one per process: each training seeds it (set_seed in train_adapter/fit.py) and then draws its LoRA A
+    matrices' initial values from it, and later, with lora_dropout > 0, its dropout masks. A second training's
+    seeding and draws interleave with the first's, so the same cache key got another adapter (tuned eval loss
+    5.976 against 5.951). transformers also sets torch's default dtype process-wide while it loads a model,
+    which a training or evaluation in another thread sees.
     Where the pool has devices, gpu_slot gives each training its own GPUs and train_adapter trains in a child
     process that sees only those (its own RNG, dtype and threads): candidates then train at once, each as it would
     alone, and the pool's slots bound how many (a candidate that finds none free shows "Waiting for GPU").
     Evaluations stay on the flow's own runner, one at a time, in this process. On a CPU-only worker, training runs
-    in this process, so the candidates go one at a time: running them at once would also not be faster, as each
-    training already takes the cores its share allows (tasks/limits.py cpu_share).
+    in this process, so the candidates go one at a time; at once they would only split the same cores (each
+    training's threads are already sized to its share of them, tasks/limits.py cpu_share).
     """
     from prefect.context import FlowRunContext
     from prefect.task_runners import ThreadPoolTaskRunner

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from tasks import sweep
+from tasks import sweep, tracking
 from tasks.artifacts import failure_summary
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.stage import evaluate_adapter
@@ -20,10 +20,9 @@ from tasks.run_record import record_run
 from tasks.train_adapter.stage import train_adapter
 
 
-# One stage task at a time in this process: training and evaluation run in the flow-run process, and two at once
-# share its global state (torch's RNG; the default dtype, which transformers sets process-wide while it loads one).
-# Measured: a candidate trained beside three others got another adapter than the same cache key trained alone
-# (tuned eval loss 5.976 against 5.951). Candidates on several GPUs at once need training in child processes.
+# The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
+# global state (sweep.training_runner says which). Candidates' trainings go to sweep.training_runner: at once, one
+# per GPU of the pool, where each trains in a child process of its own; one at a time without a pool of devices.
 @flow(name="qlora-sweep", task_runner=ThreadPoolTaskRunner(max_workers=1), on_running=[quiet_user_errors],
       on_failure=[failure_summary], on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
@@ -31,10 +30,13 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
                 ) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
-    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are mapped task runs
-    (one at a time, through the GPU slot), cached by content like any run's, so a re-run reuses every finished
-    candidate. The ranking is the promotion gate's rule; the winner goes through export_adapter and the
-    registry's gate as any run does. Artifacts: sweep-comparison (table and plot), sweep-winner (its config).
+    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are mapped task runs,
+    cached by content like any run's, so a re-run reuses every finished candidate. Candidates train at once, one
+    per free GPU, where the GPU pool has several GPUs, and one at a time without one; evaluations go one at a
+    time. With track.backend set, the sweep has a tracked run of its own (MLflow: a parent run, with every
+    candidate's training as a child run) that gets the ranking, the winner and the comparison plot. The ranking
+    is the promotion gate's rule; the winner goes through export_adapter and the registry's gate as any run does.
+    Artifacts: sweep-comparison (table and plot), sweep-winner (its config).
 
     A failed candidate fails alone: its task run is Failed, the others go on, and the best of those that finished
     is ranked and published. The sweep itself then ends Failed, after publishing, with the failed candidates in
@@ -50,14 +52,19 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     """
     plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
+    track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    # unmapped: a pydantic section is iterable, and would be mapped over its fields
-    trained = train_adapter.map(plan.sections("lora"), plan.sections("train"), plan.sections("speed"),
-                                unmapped(runs), unmapped(data_dir), unmapped(model_dir))
-    evaluated = sweep.then(trained, partial(evaluate_adapter.submit, config.eval, runs, data_dir, model_dir))
-    ranking = sweep.rank(plan, trained, evaluated, data_dir)
+    with sweep.training_runner() as runner:
+        # unmapped: a pydantic section is iterable, and would be mapped over its fields
+        trained = runner.map(train_adapter, {
+            "lora": plan.sections("lora"), "train": plan.sections("train"), "speed": plan.sections("speed"),
+            "runs_dir": unmapped(runs), "data_dir": unmapped(data_dir), "model_dir": unmapped(model_dir),
+            "track": unmapped(track)})
+        evaluated = sweep.then(trained, partial(evaluate_adapter.submit, config.eval, runs, data_dir, model_dir))
+        ranking = sweep.rank(plan, trained, evaluated, data_dir, track)
     best = ranking.winner
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir)
-    run = record_run(best.candidate.config, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir])
+    winner = best.candidate.config.model_copy(update={"track": track})  # its tracked run: a child of the sweep's
+    run = record_run(winner, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir])
     return sweep.report(ranking, run)

@@ -108,6 +108,16 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
         yield mine
 
 
+def pool_gpus() -> int:
+    """How many GPUs this flow run's trainings can hold at once: the pool's size where it has device limits, else 0
+    (no server, outside a flow run, a CPU-only pool). Where it is not 0, gpu_slot gives every training its own
+    devices and train_adapter trains in child processes that see only those (tasks/train_adapter/launch.py)."""
+    if current_run_attempt() is None or not uses_server():
+        return 0
+    size, devices = _pool()
+    return size if devices else 0
+
+
 def _pool() -> tuple[int, bool]:
     """The pool's size and whether it has device limits; (1, False) when the limit is missing (the strict
     acquisition then says what to do)."""

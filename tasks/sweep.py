@@ -21,7 +21,8 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,10 +30,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tasks import registry
+from tasks import registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
-from tasks.config import RunConfig
+from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
+from tasks.limits import pool_gpus
 from tasks.log import current_run_attempt, logger
 from tasks.manifest import hash_json, read_manifest
 
@@ -234,6 +236,34 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+@contextmanager
+def training_runner() -> Iterator[Any]:
+    """The task runner the candidates' train_adapter runs go to: as many at once as the GPU pool has GPUs, or the
+    flow's own runner (one stage task at a time) where there is no pool of devices.
+
+    Why not more in one process: two trainings in the flow-run process share its global state. torch's default
+    RNG is one per process: each training seeds it (set_seed in train_adapter/fit.py) and then draws its LoRA A
+    matrices' initial values from it, and later, with lora_dropout > 0, its dropout masks. A second training's
+    seeding and draws interleave with the first's, so the same cache key got another adapter (tuned eval loss
+    5.976 against 5.951). transformers also sets torch's default dtype process-wide while it loads a model,
+    which a training or evaluation in another thread sees.
+    Where the pool has devices, gpu_slot gives each training its own GPUs and train_adapter trains in a child
+    process that sees only those (its own RNG, dtype and threads): candidates then train at once, each as it would
+    alone, and the pool's slots bound how many (a candidate that finds none free shows "Waiting for GPU").
+    Evaluations stay on the flow's own runner, one at a time, in this process. On a CPU-only worker, training runs
+    in this process, so the candidates go one at a time; at once they would only split the same cores (each
+    training's threads are already sized to its share of them, tasks/limits.py cpu_share).
+    """
+    from prefect.context import FlowRunContext
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    gpus = pool_gpus()
+    if gpus:
+        logger().info("sweep: up to %d candidate(s) train at once, one per free GPU of the pool", gpus)
+    with ThreadPoolTaskRunner(max_workers=gpus) if gpus else nullcontext(FlowRunContext.get().task_runner) as runner:
+        yield runner
+
+
 def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
     """Submit the next stage for each future as soon as it completes (its result passed as the future, so the UI
     shows the dependency); None in place of a future that did not complete: that candidate failed alone."""
@@ -249,13 +279,16 @@ def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
     return nexts
 
 
-def rank(plan: Plan, trained: list[Any], evaluated: list[Any], data_dir: str) -> Ranking:
-    """Wait for every candidate, rank them, write the comparison (artifact and files); fail if none finished."""
+def rank(plan: Plan, trained: list[Any], evaluated: list[Any], data_dir: str, track: TrackArgs) -> Ranking:
+    """Wait for every candidate, rank them, write the comparison (artifact and files) and log it to the sweep's
+    tracked run (`track`: the candidates' track section, tracking.open_sweep's); fail if none finished."""
     outcomes = [_outcome(c, t, e) for c, t, e in zip(plan.candidates, trained, evaluated, strict=True)]
     eval_data = read_manifest(Path(data_dir)).key
     ranking = Ranking(plan, order(outcomes, eval_data), eval_data)
     comparison(ranking)
     _write(plan.dir / "sweep.json", json.dumps(record(ranking), indent=2))
+    if track.backend:
+        tracking.finish_sweep(track, tracking.SweepRun(plan.key, plan.dir, record(ranking)))
     if ranking.winner is None:
         raise _failure(ranking, [o for o in ranking.outcomes if o.status != "finished"],
                        "no candidate finished, so nothing was published")

@@ -14,7 +14,7 @@ from uuid import UUID
 import pytest
 
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
-from tasks.limits import CPU_LIMIT, GPU_LIMIT, WAITING_STATE, cpu_threads, device_limit, gpu_slot
+from tasks.limits import CPU_LIMIT, GPU_LIMIT, THREADS_VARIABLE, WAITING_STATE, cpu_threads, device_limit, gpu_slot
 from tasks.manifest import read_manifest
 
 
@@ -144,6 +144,59 @@ def test_two_single_gpu_trainings_run_at_once_on_different_gpus(two_gpu_pool: No
     assert one.started_at < two.started_at + two.seconds and two.started_at < one.started_at + one.seconds
 
     # a 2-GPU run taking both slots: the first test, through the same gpu_slot (a gloo run here costs ~80 s more)
+
+
+@pytest.mark.slow
+def test_a_sweeps_candidates_train_at_once_each_as_it_would_alone(two_gpu_pool: None, small_data: Path,
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-candidate sweep: both train at the same time, each in a child process on its own GPU, and each adapter
+    is byte for byte the one the same candidate's training gives alone."""
+    from prefect import flow
+
+    from flows.qlora_sweep import qlora_sweep
+    from tasks.config import load_config
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.prepare_model.stage import prepare_model
+    from tasks.train_adapter import launch
+    from tasks.train_adapter.stage import train_adapter
+    from tests.conftest import small_overrides
+
+    # one thread per training, alone or not: the CPU share would otherwise give the pair 1 thread each and a
+    # lone training 2, and CPU kernels sum in another order with another thread count (not so on a GPU)
+    monkeypatch.setenv(THREADS_VARIABLE, "1")
+    runs = tmp_path / "runs"
+    base = load_config(None, small_overrides(small_data, runs, **{"train.max_steps": 3,
+                                                                 "eval.generation_samples": 2}))
+    state = qlora_sweep(config=base, candidates=[{"lora.r": 4}, {"lora.r": 8}], return_state=True)
+    assert state.is_completed(), state.message
+    candidates = {c["name"]: c for c in state.result()["candidates"]}
+    manifests = {name: read_manifest(Path(c["adapter_dir"])) for name, c in candidates.items()}
+    assert sorted(m.metrics.devices[0] for m in manifests.values()) == ["0", "1"]
+    for name, manifest in manifests.items():
+        log = (Path(candidates[name]["adapter_dir"]) / launch.LOG).read_text()
+        assert f"CUDA_VISIBLE_DEVICES={manifest.metrics.devices[0]}," in log  # in a child process, on that GPU
+    one, two = manifests.values()
+    assert one.started_at < two.started_at + two.seconds and two.started_at < one.started_at + one.seconds
+
+    @flow
+    def alone(r: int) -> str:
+        data_dir = prepare_data.fn(base.data, base.model, runs)  # the sweep's, reused
+        model_dir = prepare_model.fn(base.model, runs)
+        return train_adapter(base.lora.model_copy(update={"r": r}), base.train, base.speed, tmp_path / "alone",
+                             data_dir, model_dir)
+
+    for name, candidate in candidates.items():
+        folder = Path(alone(candidate["overrides"]["lora.r"]))
+        assert folder != Path(candidate["adapter_dir"])  # trained again, not reused
+        assert _sha256(folder / "adapter" / "adapter_model.safetensors") == _sha256(
+            Path(candidate["adapter_dir"]) / "adapter" / "adapter_model.safetensors"), name
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_cpu_threads_share_the_cores_and_an_explicit_count_wins(prefect_env: Path,

@@ -147,3 +147,58 @@ def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str
     assert [m.step for m in client.get_metric_history(child_id, "loss")] == [1, 2, 3, 4, 5, 6]
     events.Reload()  # the training's folder: the second result's eval metrics beside the first's
     assert len(events.Scalars("eval/tuned_eval_loss")) == 2
+
+
+@pytest.mark.slow
+def test_a_sweep_is_a_parent_run_with_its_candidates_as_children(mlflow_server: str, prefect_env: Path,
+                                                                  small_data: Path, tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    from flows.qlora_sweep import qlora_sweep
+    from tasks.tracking.mlflow import RANKING_TAG, SWEEP_TAG
+
+    base = load_config(None, small_overrides(small_data, tmp_path / "runs", **{
+        "train.max_steps": 3, "eval.generation_samples": 2, "track.backend": "mlflow",
+        "track.mlflow_tracking_uri": mlflow_server, "track.experiment_name": "sweeps"}))
+    grid = {"lora.r": [4, 8]}
+    state = qlora_sweep(config=base, grid=grid, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("sweeps").experiment_id
+    (parent,) = client.search_runs([experiment], f"tags.`{SWEEP_TAG}` = '{summary['key']}'")
+    parent_id = parent.info.run_id
+    assert parent.info.run_name == f"sweep-{summary['key']}" and parent.info.status == "FINISHED"
+    assert parent.data.tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id)
+    assert parent.data.tags["qlora.sweep_winner"] == summary["winner"]
+    by_name = {c["name"]: c for c in summary["candidates"]}
+    for name, candidate in by_name.items():
+        assert parent.data.metrics[f"{name}.tuned_eval_loss"] == pytest.approx(candidate["metrics"]["tuned_eval_loss"])
+        assert parent.data.tags[f"qlora.candidate.{name}"].startswith(f"rank {candidate['rank']}: lora.r=")
+    assert {f.path for f in client.list_artifacts(parent_id, "sweep")} == {"sweep/sweep.json",
+                                                                          "sweep/comparison.png"}
+
+    # every candidate's training is a child run, with its per-step loss; the winner's holds the published result
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert len(children) == 2 and len(client.search_runs([experiment])) == 3
+    trained = {c["name"]: read_manifest(Path(c["adapter_dir"])).metrics.tracking["mlflow"]["run_id"]
+               for c in summary["candidates"]}
+    assert {r.info.run_id for r in children} == set(trained.values())
+    for name, run_id in trained.items():
+        child = client.get_run(run_id)
+        assert child.data.tags["qlora.sweep_candidate"] == name
+        assert child.data.tags["qlora.sweep_rank"] == str(by_name[name]["rank"])
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2, 3]
+        assert child.data.metrics["tuned_eval_loss"] == pytest.approx(by_name[name]["metrics"]["tuned_eval_loss"])
+    winner = client.get_run(trained[summary["winner"]])
+    assert winner.data.tags["qlora.export_version"] == "v0001" and winner.data.params["lora.r"] == str(
+        by_name[summary["winner"]]["overrides"]["lora.r"])
+    assert len(client.get_metric_history(winner.info.run_id, "tuned_eval_loss")) == 1  # logged once, by finish
+
+    # the same sweep again, all cached: the same parent, nothing logged again, no new run
+    again = qlora_sweep(config=base, grid=grid, return_state=True)
+    assert again.is_completed(), again.message
+    assert len(client.search_runs([experiment])) == 3
+    reused = client.get_run(parent_id)
+    assert reused.data.tags[RANKING_TAG] == parent.data.tags[RANKING_TAG]
+    assert len(client.get_metric_history(parent_id, "c1.tuned_eval_loss")) == 1

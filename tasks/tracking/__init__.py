@@ -13,6 +13,9 @@ Decisions:
   key). A re-run whose stages are all cached finds that run and logs nothing again: no duplicates, and
   run.json names the run. A run that reuses a training but evaluates or exports anew (other eval settings)
   gets a run of its own, tagged as reusing the training, with the per-step loss read from loss.jsonl.
+- A sweep (flows/qlora_sweep.py) has a run of its own, once per sweep key: `open_sweep` before the candidates
+  train returns the track section they train with (MLflow: track.parent_run_id set to the sweep's run, so each
+  candidate's run is its child), `finish_sweep` logs the ranking into it. A re-run of the same sweep reuses it.
 
 Backends are imported by name when used, so a run without tracking needs neither mlflow nor tensorboard.
 """
@@ -58,8 +61,17 @@ class PipelineRun:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+@dataclass(frozen=True)
+class SweepRun:
+    """A ranked sweep, as every backend logs it."""
+
+    key: str  # the sweep's key (tasks/sweep.py Plan.key): one tracked sweep run per key
+    dir: Path  # runs_dir/sweeps/<key>: sweep.json, comparison.png
+    record: dict[str, Any]  # sweep.json: every candidate (best first) with its status, rank and metrics; the winner
+
+
 class Backend(Protocol):
-    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these three
+    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these five
     functions; its name is one of config.TRACKING_BACKENDS."""
 
     REQUIRES: str
@@ -73,6 +85,12 @@ class Backend(Protocol):
     def finish(self, track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
         """Log a finished pipeline run (into `ref`, the run its training opened, when there is one) once per
         result; where it is now."""
+
+    def open_sweep(self, track: TrackArgs, runs_dir: Path, key: str, tags: dict[str, str]) -> TrackArgs:
+        """Find or open the sweep's own run; the track section its candidates train with (filed under it)."""
+
+    def finish_sweep(self, track: TrackArgs, sweep: SweepRun) -> Ref:
+        """Log the ranked sweep into its run (`track`: what open_sweep returned), once per ranking; where it is."""
 
 
 def backend(name: str) -> Backend:
@@ -129,6 +147,23 @@ def trainer_callbacks(train_dir: Path) -> list[Any]:
     The integrations' own callbacks, built here with their run and folder given, not through report_to and
     environment variables: several trainings can share a process (a sweep's candidates as mapped tasks)."""
     return [cb for name, ref in read_refs(train_dir).items() for cb in backend(name).callbacks(ref)]
+
+
+def open_sweep(track: TrackArgs, runs_dir: Path, key: str) -> TrackArgs:
+    """The track section a sweep's candidates train with: each backend's sweep run found or opened first."""
+    tags = {**flow_run_tags(), "qlora.sweep_key": key}
+    for name in track.backend:
+        track = backend(name).open_sweep(track, runs_dir, key, tags)
+    return track
+
+
+def finish_sweep(track: TrackArgs, sweep: SweepRun) -> dict[str, Ref]:
+    """Log the ranked sweep to every backend in `track` (open_sweep's); where each holds it."""
+    done = {}
+    for name in track.backend:
+        done[name] = backend(name).finish_sweep(track, sweep)
+        logger().info("tracking: sweep %s: %s %s", sweep.key, name, done[name])
+    return done
 
 
 def finish(config: RunConfig, stage_dirs: list[str], statuses: dict[str, str], verdict: dict[str, Any]

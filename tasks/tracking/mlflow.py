@@ -5,6 +5,11 @@ and the callback logs into it. At the run's end the same run gets the config as 
 evaluate_adapter's metrics, the adapter folder and model card as artifacts (`adapter/`), the registry verdict
 as tags, and a new name, `<export.name>-<version>`. With track.register_model, a version that is the
 registry's champion becomes a version of the registered model with the alias `champion`.
+
+A sweep is a parent run (`sweep-<key>`, tagged qlora.sweep_key), found again by that tag on a re-run; each
+candidate's training run is its child. At the sweep's end it gets every candidate's metrics (`c1.tuned_eval_loss`,
+...), its place in a tag (`qlora.candidate.c1`), the winner, sweep.json and comparison.png (`sweep/`); the
+candidates' child runs get their own eval metrics and rank (the winner's, as any pipeline result, from `finish`).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import TrackArgs
-from tasks.tracking import PipelineRun, Ref
+from tasks.manifest import hash_json, read_manifest
+from tasks.tracking import PipelineRun, Ref, SweepRun
 
 REQUIRES = "mlflow"
 KEY_TAG = "qlora.export_key"  # the pipeline result a run holds (tasks/tracking: one run per result)
 CHAMPION_ALIAS = "champion"
+SWEEP_TAG = "qlora.sweep_key"  # the sweep a parent run holds: one run per sweep key
+RANKING_TAG = "qlora.sweep_ranking"  # a hash of the ranking it holds: a re-run that ranks the same logs nothing
 
 
 def open_run(track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref:
@@ -76,6 +84,76 @@ def finish(track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
     if track.register_model and run.metrics.get("champion_version") == run.metrics["export_version"]:
         _register(client, run_id, track.registered_model_name or run.config.export.name, run)
     return _where(client, run_id, experiment, reused=bool(logged))
+
+
+def open_sweep(track: TrackArgs, runs_dir: Path, key: str, tags: dict[str, str]) -> TrackArgs:
+    """The sweep's parent run, found by its key or created; the candidates' track section files them under it."""
+    import mlflow
+
+    client = mlflow.MlflowClient(track.mlflow_tracking_uri)
+    experiment = _experiment(client, track.experiment_name)
+    found = client.search_runs([experiment], f"tags.`{SWEEP_TAG}` = '{key}'", max_results=1)
+    if found:  # a re-run of the same sweep: its candidates (cached or not) belong to the same parent
+        run_id = found[0].info.run_id
+    else:
+        run_id = client.create_run(experiment, run_name=f"sweep-{key}", tags={**tags, **_parent(track)}).info.run_id
+    return track.model_copy(update={"parent_run_id": run_id})
+
+
+def finish_sweep(track: TrackArgs, sweep: SweepRun) -> Ref:
+    """The ranking into the parent run, each candidate's eval metrics and rank into its child run; once per
+    ranking."""
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+
+    client = mlflow.MlflowClient(track.mlflow_tracking_uri)
+    run_id = track.parent_run_id
+    parent = client.get_run(run_id)
+    ranking = {k: v for k, v in sweep.record.items() if k != "flow_run"}  # what a re-run would log again
+    digest = hash_json(ranking)[:16]
+    logged = parent.data.tags.get(RANKING_TAG) == digest
+    if not logged:
+        now, winner = int(time.time() * 1000), sweep.record["winner"]
+        metrics, tags = [], {"qlora.sweep_winner": winner or "none"}
+        for candidate in sweep.record["candidates"]:
+            name, numbers = candidate["name"], _numbers(candidate["metrics"])
+            metrics += [Metric(f"{name}.{k}", v, now, 0) for k, v in numbers.items()]
+            place = f"rank {candidate['rank']}" if candidate["rank"] else candidate["status"]
+            tags[f"qlora.candidate.{name}"] = f"{place}: {_label(candidate['overrides'])}"
+            if name == winner:
+                metrics += [Metric(f"winner.{k}", v, now, 0) for k, v in numbers.items()]
+                tags["qlora.sweep_winner_overrides"] = _label(candidate["overrides"])
+            _tag_child(client, run_id, candidate, numbers if name != winner else {}, now)
+        client.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
+        for path in (sweep.dir / "sweep.json", sweep.dir / "comparison.png"):
+            client.log_artifact(run_id, str(path), "sweep")
+        client.update_run(run_id, status="FINISHED")
+        client.set_tag(run_id, RANKING_TAG, digest)  # last: it marks the ranking as logged whole
+    return _where(client, run_id, parent.info.experiment_id, reused=logged)
+
+
+def _tag_child(client: Any, parent_id: str, candidate: dict[str, Any], numbers: dict[str, float], now: int) -> None:
+    """The candidate's place (and eval metrics, when given) into the run its training opened, if that run is a
+    child of this sweep's (a training cached from another run or sweep belongs to that one)."""
+    from mlflow.entities import Metric, RunTag
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    made = read_manifest(Path(candidate["adapter_dir"])) if candidate["adapter_dir"] else None
+    child_id = made.metrics.tracking.get("mlflow", {}).get("run_id") if made is not None else None
+    if child_id is None or client.get_run(child_id).data.tags.get(MLFLOW_PARENT_RUN_ID) != parent_id:
+        return
+    tags = {"qlora.sweep_candidate": candidate["name"], "qlora.sweep_status": candidate["status"],
+            **({"qlora.sweep_rank": str(candidate["rank"])} if candidate["rank"] else {})}
+    client.log_batch(child_id, metrics=[Metric(k, v, now, 0) for k, v in numbers.items()],
+                     tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _label(overrides: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in overrides.items())
 
 
 def _log(client: Any, run_id: str, run: PipelineRun) -> None:

@@ -6,6 +6,10 @@
 
 TensorBoard shows a folder's event files as one run, so eval metrics sit beside the loss curve; the
 export key in the file name is how a cached re-run knows its result is logged already.
+
+A sweep adds nothing of its own: TensorBoard has no parent runs, and its candidates' folders already sit side by
+side in the log folder (one `train_adapter-<key>` each), where TensorBoard overlays their loss curves; the
+ranking is the sweep's comparison artifact and runs_dir/sweeps/<key>/.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 import yaml
 
 from tasks.config import TrackArgs
-from tasks.tracking import PipelineRun, Ref
+from tasks.tracking import PipelineRun, Ref, SweepRun
 
 REQUIRES = "tensorboard"
 EVENTS = "events.out.tfevents.*"
@@ -69,3 +73,13 @@ def finish(track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
         if run.flow_run:
             writer.add_text("qlora/flow_run", " ".join(run.flow_run.values()), step)
     return {**where, "logged": "now"}
+
+
+def open_sweep(track: TrackArgs, runs_dir: Path, key: str, tags: dict[str, str]) -> TrackArgs:
+    """Nothing to open: the candidates log into their own folders, as any training does."""
+    return track
+
+
+def finish_sweep(track: TrackArgs, sweep: SweepRun) -> Ref:
+    """Where the candidates' folders are (under the sweep's base runs_dir, as runs_dir/sweeps/<key>/ names it)."""
+    return {"log_dir": str(root(track, sweep.dir.parent.parent)), "logged": "by the candidates' trainings"}

@@ -266,9 +266,13 @@ def _hash_files(paths: list[Path]) -> dict[Path, str]:
     if todo:
         started, size = time.monotonic(), sum(i[1] for i, _ in todo)
         workers = min(len(todo), _hash_threads()) if len(todo) > 1 else 1
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
-            for (identity, _), digest in zip(todo, pool.map(lambda item: _sha256(item[1]), todo), strict=True):
-                _FILE_HASH_CACHE[identity] = digest
+        if workers == 1:  # no pool to start for one file (checkpoints, registry checks, data parts)
+            digests = [_sha256(path) for _, path in todo]
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
+                digests = list(pool.map(lambda item: _sha256(item[1]), todo))
+        for (identity, _), digest in zip(todo, digests, strict=True):
+            _FILE_HASH_CACHE[identity] = digest
         if size >= 1 << 30:  # worth a line where it takes seconds
             logger().info("sha256 of %d file(s), %.1f GB, in %.1f s on %d thread(s)", len(todo), size / 1e9,
                           time.monotonic() - started, workers)
@@ -276,7 +280,7 @@ def _hash_files(paths: list[Path]) -> dict[Path, str]:
 
 
 def _sha256(path: Path) -> str:
-    # file_digest's 256 KiB reads: 1 and 16 MiB reads measured no faster (bench/README.md: Hashing); its update
+    # file_digest's 256 KiB reads: 1 and 16 MiB reads measured no faster (bench/README.md: bench_hashing.py); its update
     # releases the GIL, so threads hash files at once
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -356,7 +360,7 @@ class _HashMemo:
         read = _hash_files([self.folder / name for name in names if name not in found])
         for name in set(names) - set(found):
             found[name] = read[self.folder / name]
-            self.new[name] = [*identities[name], found[name]]
+            self.entries[name] = self.new[name] = [*identities[name], found[name]]
         return found
 
     def save(self) -> None:

@@ -242,19 +242,24 @@ def host_cores() -> int:
 
 
 def cpu_threads(stage: str, processes: int = 1, holding: bool = False) -> int:
-    """Threads for each of this run's `processes` on this host: an explicit QLORA_CPU_THREADS / OMP_NUM_THREADS,
-    else the run's share of the cores, cores // (runs computing now x processes), at least 1. `holding`: this run
-    already holds its `qlora-cpu` slot (cpu_share), so it is among the runs counted."""
+    """Threads for each of this run's `processes` on this host (cpu_share_threads), said in one log line."""
+    threads, why = cpu_share_threads(processes, holding)
+    logger().info("%s: %s", stage, why)
+    return threads
+
+
+def cpu_share_threads(processes: int = 1, holding: bool = False) -> tuple[int, str]:
+    """Threads for each of this run's `processes` on this host, and why: an explicit QLORA_CPU_THREADS /
+    OMP_NUM_THREADS, else the run's share of the cores, cores // (runs computing now x processes), at least 1.
+    `holding`: this run already holds its `qlora-cpu` slot (cpu_share), so it is among the runs counted."""
     for variable in (THREADS_VARIABLE, "OMP_NUM_THREADS"):
         if (value := os.environ.get(variable, "").strip()).isdigit() and int(value) > 0:
-            logger().info("%s: %s threads per process (%s is set)", stage, value, variable)
-            return int(value)
+            return int(value), f"{value} threads per process ({variable} is set)"
     cores = host_cores()
     runs, source = _runs_computing(holding)
     threads = max(1, cores // (runs * processes))
-    logger().info("%s: %d thread(s) per process for %d process(es): %d cores shared by %d run(s) (%s; set %s to "
-                  "choose)", stage, threads, processes, cores, runs, source, THREADS_VARIABLE)
-    return threads
+    return threads, (f"{threads} thread(s) per process for {processes} process(es): {cores} cores shared by {runs} "
+                     f"run(s) ({source}; set {THREADS_VARIABLE} to choose)")
 
 
 def _runs_computing(holding: bool) -> tuple[int, str]:

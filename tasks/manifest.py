@@ -5,8 +5,10 @@ validates as a `Manifest` (with the metrics type of its stage), names the same k
 its stage must have (REQUIRED: a manifest cannot vouch for less), and every output file it lists has
 the recorded size and sha256: the manifest is written last and atomically, so a crash at any moment
 leaves either no manifest or a complete one, and damaged output (truncated, or bytes changed in
-place) is caught. Hashes are memoised per file identity (path, size, mtime_ns, inode) in this process
-and in the stage folder's `.hashes.json`, so a reused stage costs a stat per file, not a read.
+place) is caught. Hashes are memoised per file identity (path, size, mtime_ns, inode, device) in this process,
+in the stage folder's `.hashes.json` (outputs) and in runs_dir's `.input-hashes.json` (the base model's and the
+data's files, read by the cache keys), so a reused stage or an unchanged input costs a stat per file, not a read.
+Files not in a memo are hashed in parallel, one file per thread, on the run's share of the host's cores.
 Manifests are read and written here only; every other module reads them as typed objects.
 """
 
@@ -20,7 +22,8 @@ import platform
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -36,8 +39,9 @@ from tasks.log import current_run_attempt, logger
 
 MANIFEST = "manifest.json"
 _VERSIONED = ["torch", "transformers", "peft", "bitsandbytes", "prefect", "pyarrow"]
-HASH_MEMO = ".hashes.json"  # in each stage folder: file name -> [size, mtime_ns, inode, sha256]
-_FILE_HASH_CACHE: dict[tuple[str, int, int, int], str] = {}
+HASH_MEMO = ".hashes.json"  # in each stage folder: file name -> [size, mtime_ns, inode, device, sha256]
+INPUT_HASH_MEMO = ".input-hashes.json"  # in runs_dir: absolute path of an input file -> the same
+_FILE_HASH_CACHE: dict[tuple[str, int, int, int, int], str] = {}
 # The outputs each stage must have (fnmatch patterns, relative to the folder); a manifest lists them all.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "prepare_data": ("train.parquet", "eval.parquet"),
@@ -224,20 +228,74 @@ def hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """Content hash of one file, memoised per identity (path, size, mtime_ns, inode) within the process."""
+def file_sha256(path: Path, runs_dir: Path | None = None) -> str:
+    """Content hash of one file, memoised per identity (path, size, mtime_ns, inode, device) within the process
+    and, given runs_dir, across processes (runs_dir/.input-hashes.json)."""
+    return files_sha256([path], runs_dir)[path]
+
+
+def files_sha256(paths: Iterable[Path], runs_dir: Path | None = None) -> dict[Path, str]:
+    """sha256 of each file's bytes, the files not memoised hashed in parallel; see file_sha256."""
+    paths = list(paths)
+    if runs_dir is None:
+        return _hash_files(paths)
+    memo = _HashMemo(Path("/"), Path(runs_dir).expanduser() / INPUT_HASH_MEMO)
+    hashes = memo.sha256_all([str(p.resolve()) for p in paths])
+    memo.save()
+    return {p: hashes[str(p.resolve())] for p in paths}
+
+
+def files_fingerprint(paths: list[Path], root: Path | None = None, runs_dir: Path | None = None) -> str:
+    """One hash over the names (relative to root) and bytes of several files (runs_dir: see file_sha256)."""
+    hashes = files_sha256(paths, runs_dir)
+    return hash_json(sorted((str(p.relative_to(root)) if root else p.name, hashes[p]) for p in paths))
+
+
+def _identity(path: Path) -> tuple[str, int, int, int, int]:
+    """What must stay the same for a memoised hash to hold: a rewrite in place changes mtime_ns (and usually the
+    size), a replacement by rename changes the inode, the same path on another mount the device."""
     st = path.stat()
-    memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if memo not in _FILE_HASH_CACHE:
-        with path.open("rb") as f:
-            _FILE_HASH_CACHE[memo] = hashlib.file_digest(f, "sha256").hexdigest()
-    return _FILE_HASH_CACHE[memo]
+    return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
 
 
-def files_fingerprint(paths: list[Path], root: Path | None = None) -> str:
-    """One hash over the names (relative to root) and bytes of several files."""
-    entries = sorted((str(p.relative_to(root)) if root else p.name, file_sha256(p)) for p in paths)
-    return hash_json(entries)
+def _hash_files(paths: list[Path]) -> dict[Path, str]:
+    """sha256 of each file through the process memo; the others read in parallel, one file per thread (one
+    file's sha256 cannot be split), on the run's share of the host's cores."""
+    identities = {p: _identity(p) for p in paths}
+    todo = sorted({i: p for p, i in identities.items() if i not in _FILE_HASH_CACHE}.items(),
+                  key=lambda item: -item[0][1])  # largest first: the longest file starts at once
+    if todo:
+        started, size = time.monotonic(), sum(i[1] for i, _ in todo)
+        workers = min(len(todo), _hash_threads()) if len(todo) > 1 else 1
+        if workers == 1:  # no pool to start for one file (checkpoints, registry checks, data parts)
+            digests = [_sha256(path) for _, path in todo]
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
+                digests = list(pool.map(lambda item: _sha256(item[1]), todo))
+        for (identity, _), digest in zip(todo, digests, strict=True):
+            _FILE_HASH_CACHE[identity] = digest
+        if size >= 1 << 30:  # worth a line where it takes seconds
+            logger().info("sha256 of %d file(s), %.1f GB, in %.1f s on %d thread(s)", len(todo), size / 1e9,
+                          time.monotonic() - started, workers)
+    return {p: _FILE_HASH_CACHE[i] for p, i in identities.items()}
+
+
+def _sha256(path: Path) -> str:
+    # file_digest's 256 KiB reads: 1 and 16 MiB reads measured no faster (bench/README.md: bench_hashing.py); its update
+    # releases the GIL, so threads hash files at once
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _hash_threads() -> int:
+    """Threads for hashing: the run's share of the host's cores (tasks/limits.py), at least 1."""
+    from tasks.limits import cpu_share_threads  # lazily: limits reads the Prefect server where there is one
+
+    try:
+        return cpu_share_threads()[0]
+    except Exception as exc:  # noqa: BLE001 - a server that cannot say must not fail a stage: hash as before, on one
+        logger().warning("hashing on 1 thread: the host's share of cores is unknown (%s)", exc)
+        return 1
 
 
 def read_manifest(folder: Path) -> Manifest | None:
@@ -261,52 +319,63 @@ def check_stage(folder: Path) -> tuple[Manifest | None, str]:
     unhashed = sorted(set(manifest.outputs) - set(manifest.hashes))
     if unhashed:
         return None, f"{MANIFEST} records no content hash for {', '.join(unhashed)}"
-    memo = _HashMemo(folder)
     for name, size in manifest.outputs.items():
         out = folder / name
         if not out.is_file():
             return None, f"{name} is missing"
         if out.stat().st_size != size:
             return None, f"{name} has {out.stat().st_size} bytes, not the {size} recorded"
-        if memo.sha256(name) != manifest.hashes[name]:
-            return None, f"{name} is damaged (its sha256 differs from the one recorded)"
+    memo = _HashMemo(folder)
+    hashes = memo.sha256_all(list(manifest.outputs))
     memo.save()
+    damaged = [name for name in manifest.outputs if hashes[name] != manifest.hashes[name]]
+    if damaged:
+        return None, f"{damaged[0]} is damaged (its sha256 differs from the one recorded)"
     return manifest, ""
 
 
 class _HashMemo:
-    """sha256 of a stage folder's files by identity (size, mtime_ns, inode), kept in the folder across processes.
+    """sha256 of files by identity (size, mtime_ns, inode, device), kept in a JSON file across processes: a stage
+    folder's `.hashes.json` (names relative to the folder), runs_dir's `.input-hashes.json` (absolute paths).
 
-    A file rewritten in place gets a new mtime (and usually size), so its memo entry no longer applies and it
+    A file rewritten in place gets a new mtime_ns (and usually size), so its memo entry no longer applies and it
     is hashed again; only a write that restores the old mtime by hand would go unseen.
     """
 
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.changed = folder, False
-        try:
-            self.entries: dict[str, list[Any]] = json.loads((folder / HASH_MEMO).read_text())
-        except (OSError, ValueError):
-            self.entries = {}
+    def __init__(self, folder: Path, store: Path | None = None) -> None:
+        self.folder, self.store = folder, store or folder / HASH_MEMO
+        self.entries, self.new = self._read(), {}
 
-    def sha256(self, name: str) -> str:
-        st = (self.folder / name).stat()
-        identity = [st.st_size, st.st_mtime_ns, st.st_ino]
-        entry = self.entries.get(name)
-        if isinstance(entry, list) and entry[:3] == identity:
-            return str(entry[3])
-        digest = file_sha256(self.folder / name)
-        self.entries[name], self.changed = [*identity, digest], True
-        return digest
+    def _read(self) -> dict[str, list[Any]]:
+        try:
+            entries = json.loads(self.store.read_text())
+        except (OSError, ValueError):
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+    def sha256_all(self, names: list[str]) -> dict[str, str]:
+        """Each file's sha256: the memo's where the file's identity is unchanged, else read (in parallel)."""
+        identities = {name: list(_identity(self.folder / name)[1:]) for name in names}
+        found = {name: str(entry[4]) for name, entry in ((n, self.entries.get(n)) for n in names)
+                 if isinstance(entry, list) and len(entry) == 5 and entry[:4] == identities[name]}
+        read = _hash_files([self.folder / name for name in names if name not in found])
+        for name in set(names) - set(found):
+            found[name] = read[self.folder / name]
+            self.entries[name] = self.new[name] = [*identities[name], found[name]]
+        return found
 
     def save(self) -> None:
-        if not self.changed:
+        """Add the entries hashed here to the file as it is now (another process may have added its own)."""
+        if not self.new:
             return
-        tmp = self.folder / f".{HASH_MEMO}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = self.store.with_name(f".{self.store.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(self.entries))
-            os.replace(tmp, self.folder / HASH_MEMO)
-        except OSError:  # a read-only runs_dir: verification still works, only slower next time
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({**self._read(), **self.new}))
+            os.replace(tmp, self.store)
+        except OSError:  # a read-only folder: verification still works, only slower next time
             tmp.unlink(missing_ok=True)
+        self.new = {}
 
 
 def check_runs_dir(runs_dir: Path) -> None:
@@ -403,7 +472,7 @@ class StageRun:
         if lacking:
             raise RuntimeError(f"{self.spec.stage}: outputs lack {', '.join(lacking)}, which the stage must write")
         memo = _HashMemo(self.dir)
-        hashes = {name: memo.sha256(name) for name in sorted(outputs)}
+        hashes = dict(sorted(memo.sha256_all(outputs).items()))
         memo.save()
         manifest = Manifest(
             stage=self.spec.stage, key=self.key, version=self.spec.version, params=self.spec.params,

@@ -86,12 +86,14 @@ def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str = "m
         raise UserError(f"{what} cannot be resolved: {why}.") from None
 
 
-def model_fingerprint(source: str, revision: str | None, only: tuple[str, ...] | None = None) -> dict[str, str]:
-    """Content identity of a base model: its files' bytes, or the resolved hub commit."""
+def model_fingerprint(source: str, revision: str | None, only: tuple[str, ...] | None = None,
+                      runs_dir: Path | None = None) -> dict[str, str]:
+    """Content identity of a base model: its files' bytes (their hashes memoised in runs_dir), or the resolved hub
+    commit."""
     if is_local(source):
         path = _check_local_model(source, weights=only is None)  # a tokenizer alone needs no weights
         files = [p for p in path.iterdir() if p.is_file() and (only is None or p.name in only)]
-        return {"files_sha256": files_fingerprint(files)}
+        return {"files_sha256": files_fingerprint(files, runs_dir=runs_dir)}
     return {"hub_repo": source, "hub_commit": resolve_hub_revision(source, revision)}
 
 

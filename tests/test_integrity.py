@@ -105,16 +105,16 @@ def test_a_manifest_that_lists_fewer_outputs_does_not_vouch_for_the_stage(built:
 def test_hashes_are_memoised_per_file_identity(built: dict[str, Any]) -> None:
     folder = Path(built["model"])
     memo = json.loads((folder / HASH_MEMO).read_text())
-    size, mtime_ns, inode, digest = memo["modules.json"]
+    *identity, digest = memo["modules.json"]
     st = (folder / "modules.json").stat()
-    assert [size, mtime_ns, inode] == [st.st_size, st.st_mtime_ns, st.st_ino]
+    assert identity == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
     # the memo is trusted while the identity holds (no read): a wrong digest there is believed ...
-    (folder / HASH_MEMO).write_text(json.dumps({**memo, "modules.json": [size, mtime_ns, inode, "0" * 64]}))
+    (folder / HASH_MEMO).write_text(json.dumps({**memo, "modules.json": [*identity, "0" * 64]}))
     assert "modules.json is damaged" in check_stage(folder)[1]
     # ... and a file whose identity changed (here: its mtime) is read and hashed again
     (folder / "modules.json").touch()
     assert check_stage(folder)[0] is not None
-    assert json.loads((folder / HASH_MEMO).read_text())["modules.json"][3] == digest
+    assert json.loads((folder / HASH_MEMO).read_text())["modules.json"][4] == digest
 
 
 def _checkpoint(root: Path, step: int) -> Path:

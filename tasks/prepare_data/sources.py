@@ -151,8 +151,9 @@ def check_allowed(args: DataArgs, paths: list[str] | None = None, field: str = "
                         "Put the data in one of those folders, or ask whoever runs the deployment to allow its place.")
 
 
-def fingerprint(args: DataArgs, field: str = "data.source") -> str:
-    """Content identity of the data: the bytes of every file read, or the resolved hub commit."""
+def fingerprint(args: DataArgs, field: str = "data.source", runs_dir: Path | None = None) -> str:
+    """Content identity of the data: the bytes of every file read (their hashes memoised in runs_dir), or the
+    resolved hub commit."""
     if is_hub(args.source):
         return f"hub:{args.source}@{resolve_hub_revision(args.source, args.revision, repo_type='dataset')}"
     check_allowed(args, field=field)
@@ -160,8 +161,8 @@ def fingerprint(args: DataArgs, field: str = "data.source") -> str:
     check_allowed(args, paths, field)
     if _is_local_fs(fs):
         if len(paths) == 1:
-            return file_sha256(Path(paths[0]))
-        return files_fingerprint([Path(p) for p in paths], root=Path(os.path.commonpath(paths)))
+            return file_sha256(Path(paths[0]), runs_dir)
+        return files_fingerprint([Path(p) for p in paths], root=Path(os.path.commonpath(paths)), runs_dir=runs_dir)
     return hash_json(sorted((p, _remote_sha256(fs, p)) for p in paths))
 
 

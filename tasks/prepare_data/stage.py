@@ -44,13 +44,13 @@ LOCATED = ("data.source", "data.eval_source", "data.allowed_roots", "tokenizer.s
 
 def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
     """Cache-key inputs: data settings, the data's (and eval data's) bytes or hub commit, the tokenizer's files."""
-    evals = {"eval_data": fingerprint(_eval_args(args), "data.eval_source")} if args.eval_source else {}
+    evals = {"eval_data": fingerprint(_eval_args(args), "data.eval_source", runs_dir)} if args.eval_source else {}
+    tokenizer = model_fingerprint(model.base_model, model.revision, only=TOKENIZER_FILES, runs_dir=runs_dir)
     return StageSpec(
         stage="prepare_data", version=VERSION, runs_dir=runs_dir, located=LOCATED,
         params={"data": args.model_dump(), "tokenizer": {"source": model.base_model, "revision": model.revision}},
-        fingerprint={"data": fingerprint(args), **evals,
-                     **{f"tokenizer_{k}": v for k, v in
-                        model_fingerprint(model.base_model, model.revision, only=TOKENIZER_FILES).items()}},
+        fingerprint={"data": fingerprint(args, runs_dir=runs_dir), **evals,
+                     **{f"tokenizer_{k}": v for k, v in tokenizer.items()}},
     )
 
 

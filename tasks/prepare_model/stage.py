@@ -33,7 +33,7 @@ def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
     """Cache-key inputs: model settings and the base model's file bytes or hub commit."""
     return StageSpec(stage="prepare_model", version=VERSION, runs_dir=runs_dir,
                      params={"model": args.model_dump()}, located=("model.base_model",),  # the fingerprint has it
-                     fingerprint=model_fingerprint(args.base_model, args.revision))
+                     fingerprint=model_fingerprint(args.base_model, args.revision, runs_dir=runs_dir))
 
 
 @task(name="prepare_model", **stage_task_options(spec, retries=2))

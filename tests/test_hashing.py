@@ -1,0 +1,122 @@
+"""Content hashes (README: Integrity): parallel hashing gives the same sha256, fingerprints and cache keys as reading
+one file after another, and input hashes are memoised per file identity across processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.config import load_config
+from tasks.manifest import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256
+from tasks.prepare_data.stage import spec as data_spec
+from tasks.prepare_model.stage import spec as model_spec
+from tasks.runtime import TOKENIZER_FILES
+
+
+def _reference_sha256(path: Path) -> str:
+    """sha256 as hashed before parallel hashing: the whole file, one thread."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _reference_fingerprint(paths: list[Path], root: Path | None = None) -> str:
+    entries = sorted((str(p.relative_to(root)) if root else p.name, _reference_sha256(p)) for p in paths)
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several hashing threads whatever the load average (without it a busy test machine may get one)."""
+    monkeypatch.setenv("QLORA_CPU_THREADS", "3")
+
+
+def test_parallel_hashes_equal_a_sequential_reference(tmp_path: Path, threads: None) -> None:
+    # empty, one byte, one read (256 KiB) and a byte past it, and a few MiB of odd length
+    sizes = {"empty": 0, "one": 1, "block": 256 << 10, "past": (256 << 10) + 1, "odd": 3_000_001}
+    paths = []
+    for name, size in sizes.items():
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        path = tmp_path / ("sub" if name == "odd" else "") / name
+        path.write_bytes(os.urandom(size))
+        paths.append(path)
+    assert files_sha256(paths) == {p: _reference_sha256(p) for p in paths}
+    assert files_fingerprint(paths, root=tmp_path) == _reference_fingerprint(paths, root=tmp_path)
+    assert files_fingerprint(paths, runs_dir=tmp_path / "runs") == _reference_fingerprint(paths)
+    assert file_sha256(paths[1], tmp_path / "runs") == _reference_sha256(paths[1])
+
+
+def test_default_config_keys_equal_those_of_a_sequential_reference(tmp_path: Path, threads: None) -> None:
+    config = load_config(None, [])
+    model_folder, data_file = Path(config.model.base_model), Path(config.data.source)
+    model = model_spec(config.model, tmp_path)
+    reference = {"files_sha256": _reference_fingerprint([p for p in model_folder.iterdir() if p.is_file()])}
+    assert model.fingerprint == reference
+    assert model.key == dataclasses.replace(model, fingerprint=reference).key
+    data = data_spec(config.data, config.model, tmp_path)
+    tokenizer = [p for p in model_folder.iterdir() if p.is_file() and p.name in TOKENIZER_FILES]
+    reference = {"data": _reference_sha256(data_file), "tokenizer_files_sha256": _reference_fingerprint(tokenizer)}
+    assert data.fingerprint == reference
+    assert data.key == dataclasses.replace(data, fingerprint=reference).key
+
+
+def _fingerprint_in_a_new_process(paths: list[Path], runs_dir: Path) -> str:
+    code = ("import sys; from pathlib import Path; from tasks.manifest import files_fingerprint; "
+            "print(files_fingerprint([Path(p) for p in sys.argv[2:]], runs_dir=Path(sys.argv[1])))")
+    done = subprocess.run([sys.executable, "-c", code, str(runs_dir), *map(str, paths)], capture_output=True,
+                          text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_input_hashes_are_memoised_per_identity_across_processes(tmp_path: Path, threads: None) -> None:
+    runs = tmp_path / "runs"
+    paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for path in paths:
+        path.write_bytes(os.urandom(1 << 20))
+    original = files_fingerprint(paths, runs_dir=runs)
+    memo = json.loads((runs / INPUT_HASH_MEMO).read_text())
+    for path in paths:
+        st = path.stat()
+        assert memo[str(path.resolve())] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev,
+                                             _reference_sha256(path)]
+    # another process trusts the memo while the identity holds (no read): a wrong digest there is believed
+    wrong = {**memo, str(paths[0].resolve()): [*memo[str(paths[0].resolve())][:4], "0" * 64]}
+    (runs / INPUT_HASH_MEMO).write_text(json.dumps(wrong))
+    assert _fingerprint_in_a_new_process(paths, runs) != original
+    (runs / INPUT_HASH_MEMO).write_text(json.dumps(memo))
+    assert _fingerprint_in_a_new_process(paths, runs) == original
+
+    # edited in place: same inode, same size, an mtime in the same second (only mtime_ns tells them apart)
+    before = paths[0].stat()
+    with paths[0].open("r+b") as f:
+        f.write(b"edited")
+    second, ns = divmod(before.st_mtime_ns, 10**9)
+    os.utime(paths[0], ns=(before.st_atime_ns, second * 10**9 + (ns + 1) % 10**9))
+    after = paths[0].stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns // 10**9) == (before.st_ino, before.st_size, second)
+    edited = _reference_fingerprint(paths)
+    assert edited != original
+    assert files_fingerprint(paths, runs_dir=runs) == edited  # this process: its memo is by identity too
+    assert json.loads((runs / INPUT_HASH_MEMO).read_text())[str(paths[0].resolve())][4] == _reference_sha256(paths[0])
+    assert _fingerprint_in_a_new_process(paths, runs) == edited
+
+
+def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threads: None) -> None:
+    """The memo of an unchanged base model is kept in runs_dir: a new process's spec is a stat per file."""
+    config = load_config(None, [])
+    key = model_spec(config.model, tmp_path).key
+    memo = json.loads((tmp_path / INPUT_HASH_MEMO).read_text())
+    files = [p for p in Path(config.model.base_model).iterdir() if p.is_file()]
+    assert {str(p.resolve()) for p in files} <= set(memo)
+    # a wrong digest in the memo is believed by a new process: proof that it read none of the files
+    forged = {name: [*entry[:4], "0" * 64] for name, entry in memo.items()}
+    (tmp_path / INPUT_HASH_MEMO).write_text(json.dumps(forged))
+    assert _fingerprint_in_a_new_process(files, tmp_path) == hashlib.sha256(json.dumps(
+        sorted((p.name, "0" * 64) for p in files)).encode()).hexdigest()
+    (tmp_path / INPUT_HASH_MEMO).write_text(json.dumps(memo))
+    assert model_spec(config.model, tmp_path).key == key

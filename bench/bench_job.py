@@ -57,7 +57,8 @@ def run_job(tree: Path, model: Path, dolly: Path, runs_dir: Path, extra: list[st
     cmd = [sys.executable, "-m", "deployments.cli", "run", "--json", *[a for s in sets for a in ("--set", s)]]
     if profile is not None:
         cmd = ["py-spy", "record", "--subprocesses", "--format", "raw", "--rate", "50", "-o", str(profile), "--", *cmd]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
+    path = [str(tree), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     start = time.time()
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = round(time.time() - start, 1)

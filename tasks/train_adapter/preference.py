@@ -6,9 +6,22 @@ log-probabilities with the adapter turned off (peft's disable_adapter); starting
 keeps a frozen copy of that adapter ("ref", adapter-sized) and the reference is base + it. The data comes
 pre-tokenized from prepare_data in TRL's own columns, so TRL's tokenization step is skipped.
 
-Speed levers: Liger's kernels, MLP chunks, fused LoRA layers, (offloaded) checkpointing and the host-side
-embedding table apply as for SFT; packing and the fused cross-entropy step aside (TRL pads chosen and rejected
-into one batch, and computes log-probabilities with its own chunked LM head).
+Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reasoning and the measurements):
+- padding-free batches (speed.packing, on by default): TRL's trainers pad each row to the longest of the
+  micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; padding_free.py runs the real tokens as one
+  row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
+  KL passes alike. DPO's micro-batches are then groups of whole pairs sized in tokens (prompt + chosen and prompt
+  + rejected), like SFT's packs; KTO keeps per_device_train_batch_size answers per micro-batch (its KL term pairs
+  neighbours within one).
+- the memory plan (memory_plan.py, on a GPU with packing): DPO's group size, the recomputed layers and the
+  offloads for speed.gpu_memory_budget_gb; for KTO the recomputed layers and offloads at its micro-batch. The
+  output layer stays on the GPU (TRL's fused LM head reads it there).
+- TRL's own fused LM head computes the log-probabilities a vocabulary tile at a time, of the answers' tokens only,
+  so the pipeline's fused cross-entropy steps aside; Liger's kernels, MLP chunks, fused LoRA layers and the
+  host-side embedding table apply as for SFT.
+- the reference log-probabilities are computed in each step (TRL's default, one no-grad forward with the adapter
+  disabled), not precomputed: for one epoch both cost one forward per pair, and precomputing only moves it ahead
+  of training (and into a datasets cache file outside the run folder).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         (out / "adapter" / "README.md").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method,
-            "padding_free": speed.packing, "micro_batches": batches.packs, "memory_plan": batches.memory_plan}
+            "padding_free": speed.packing, "micro_batches_per_epoch": batches.packs, "memory_plan": batches.memory_plan}
 
 
 def _dataset(path: Path, train: TrainArgs) -> Any:

@@ -137,7 +137,8 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
 
     plan = metrics.get("memory_plan") or {}
     pairs = pq.read_metadata(Path(spec["data_dir"]) / "train.parquet").num_rows
-    per_step = round(pairs / metrics["micro_batches_per_epoch"], 1) if metrics.get("micro_batches_per_epoch") else spec["pairs_per_step"]
+    groups = metrics.get("micro_batches_per_epoch")  # None: TRL's batches of pairs_per_step pairs (packing off)
+    per_step = round(pairs / groups, 1) if groups else spec["pairs_per_step"]
     return {**metrics, "budget_gib": plan.get("budget_gib"), "plan": plan or None,
             "predicted_peak_gib": plan.get("predicted_peak_gib"), "pairs_per_step": per_step,
             "wall_s": round(time.time() - t, 1), "losses": [round(x, 4) for x in losses],

@@ -68,6 +68,9 @@ def _unpadded(fused: Any, input_ids: Any, attention_mask: Any, labels: Any, kwar
                    cu_seq_lens_k=bounds, max_length_q=width, max_length_k=width, **kwargs)
 
     def padded(x: Any) -> Any:  # (1, real tokens) -> (rows, width - 1), zero where TRL's padded call gives zero
-        return x.new_zeros(rows, width).masked_scatter(real, x[0])[:, :-1]
+        flags = x.dtype == torch.bool  # is_top1, label_mask: scattered as bytes, the kernels' common ground
+        source = x[0].to(torch.uint8) if flags else x[0]
+        out = source.new_zeros(rows, width).masked_scatter(real, source)[:, :-1]
+        return out.bool() if flags else out
 
     return type(packed)(**{k: padded(v) if k in PER_TOKEN else v for k, v in packed.items()})

@@ -26,8 +26,15 @@ from typing import Any
 PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
 
-def unpad_forward(causal_lm: Any) -> None:
-    """Make `causal_lm`'s fused forward (TRL's add_fused_lm_head, already applied) run padding-free."""
+def unpad_forward(causal_lm: Any) -> bool:
+    """Make `causal_lm`'s fused forward (TRL's add_fused_lm_head, already applied) run padding-free. False, with
+    one log line, where TRL installed no fused forward (an older TRL): its padded batches then stay."""
+    if "forward" not in vars(causal_lm):  # add_fused_lm_head sets an instance attribute
+        from tasks.log import logger
+
+        logger().info("train_adapter: padding-free batches step aside: this TRL computes no fused log-probabilities "
+                      "(add_fused_lm_head, TRL 1.16) to wrap; TRL pads each micro-batch")
+        return False
     fused = causal_lm.forward
 
     @functools.wraps(fused)
@@ -40,6 +47,7 @@ def unpad_forward(causal_lm: Any) -> None:
 
     forward.padding_free = True  # type: ignore[attr-defined] - for the log and the tests
     causal_lm.forward = forward
+    return True
 
 
 def _padded_fused_call(args: tuple, fused_lm_head: bool, labels: Any, input_ids: Any, attention_mask: Any,

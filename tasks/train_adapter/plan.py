@@ -42,6 +42,7 @@ class MicroBatches:
     offload_output_layer: bool = False  # the frozen output layer in host memory (with offload_embeddings)
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
+    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (padding_free.py)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:

@@ -26,6 +26,7 @@ Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reason
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import shutil
@@ -73,7 +74,8 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         (out / "adapter" / "README.md").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method,
-            "padding_free": speed.packing, "micro_batches_per_epoch": batches.packs, "memory_plan": batches.memory_plan}
+            "padding_free": batches.padding_free, "micro_batches_per_epoch": batches.packs,
+            "memory_plan": batches.memory_plan}
 
 
 def _dataset(path: Path, train: TrainArgs) -> Any:
@@ -144,10 +146,11 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
                 param.data = param.data.float()
     plan.prepare_peft(trainer.model, speed)
     batches = _micro_batches(trainer, train, speed, dataset)
-    if speed.packing:  # after TRL added its fused LM head, which this wraps
-        unpad_forward(trainer.model.get_base_model())
-    logger().info("train_adapter (%s): micro-batches %s", train.method, batches)
-    return trainer, batches
+    # after TRL added its fused LM head, which this wraps
+    unpadded = speed.packing and unpad_forward(trainer.model.get_base_model())
+    logger().info("train_adapter (%s): micro-batches %s%s", train.method, batches,
+                  ", padding-free" if unpadded else ", padded by TRL")
+    return trainer, dataclasses.replace(batches, padding_free=unpadded)
 
 
 def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:

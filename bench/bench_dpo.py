@@ -5,21 +5,25 @@ Builds the 8B-shaped model with random weights and quantizes it through the pipe
 worker_build: the shared reference_recipe.make_model_dir, a 128,256-id word-level tokenizer), then measures,
 each in its own process so that its GPU memory figures are its own:
 
-  (a) pipeline: tasks.train_adapter.preference.fit_and_save, train.method dpo, its defaults (fused LoRA layers,
-      offloaded checkpointing and embeddings, MLP chunks, Liger where installed; packing and the fused
-      cross-entropy step aside on TRL's path), data pre-tokenized as prepare_data writes it
+  (a) pipeline: tasks.train_adapter.preference.fit_and_save, train.method dpo, its defaults: padding-free
+      micro-batches of whole pairs sized in tokens by the memory plan for the GPU's memory (which also chooses
+      the recomputed layers and the offloads), fused LoRA layers, MLP chunks, Liger where installed, TRL's fused
+      LM head; data pre-tokenized as prepare_data writes it
   (b) trl: TRL's documented QLoRA recipe: AutoModelForCausalLM with a BitsAndBytesConfig (nf4, double
       quantization, bf16 compute), DPOTrainer with peft_config (the reference = the adapter disabled),
       gradient checkpointing, bf16, paged 8-bit AdamW; the pairs as text that its own tokenization turns back
       into the same ids
 
-Both: LoRA r=16, alpha 32 on all seven projections, beta 0.1, sigmoid loss, the same micro-batch of pairs, 1
-accumulation step. Pairs: token ids at random (seed 0), prompt lengths lognormal (median 200, sigma 0.6, at least
+Both: LoRA r=16, alpha 32 on all seven projections, beta 0.1, sigmoid loss, 1 accumulation step; (b) takes
+--pairs-per-step pairs per step, (a) as many as its memory plan's micro-batch holds (its `pairs_per_step` says
+how many on average; with --variants '{"padded": {"packing": false}}' a run of (a) with TRL's padded batches of
+--pairs-per-step pairs). Pairs: token ids at random (seed 0), prompt lengths lognormal (median 200, sigma 0.6, at least
 16, at most --prompt-max), answer lengths lognormal (median 150, sigma 0.6, at least 4, at most --answer-max), each
 answer ending in eos; ids whose decimal form starts with 3-9 (see make_pairs). Reported: real tokens/s (the
 non-padding tokens of prompt+chosen and prompt+rejected, from the end of the first optimizer step to the end of
 the last), seconds per step, peak allocated GPU memory (from the start of training, the resident model
-included), and the losses.
+included), and the losses; for (a) also the memory plan (`budget_gib`, `plan`, `predicted_peak_gib`) and
+`padding_free`.
 
 usage (GPU host, from the repository root; about 5 minutes on one H200):
   python bench/bench_dpo.py --shared ../shared/bench --out bench/results/$(date +%F)-h200-dpo.json
@@ -128,9 +132,16 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     metrics = preference.fit_and_save(LoraArgs(), train, SpeedArgs(**spec.get("speed", {})), spec["data_dir"],
                                       spec["model_dir_4bit"], out)
     losses = [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
+    import pyarrow.parquet as pq
     import torch
 
-    return {**metrics, "wall_s": round(time.time() - t, 1), "losses": [round(x, 4) for x in losses],
+    plan = metrics.get("memory_plan") or {}
+    pairs = pq.read_metadata(Path(spec["data_dir"]) / "train.parquet").num_rows
+    groups = metrics.get("micro_batches_per_epoch")  # None: TRL's batches of pairs_per_step pairs (packing off)
+    per_step = round(pairs / groups, 1) if groups else spec["pairs_per_step"]
+    return {**metrics, "budget_gib": plan.get("budget_gib"), "plan": plan or None,
+            "predicted_peak_gib": plan.get("predicted_peak_gib"), "pairs_per_step": per_step,
+            "wall_s": round(time.time() - t, 1), "losses": [round(x, 4) for x in losses],
             "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2)
             if torch.cuda.is_available() else None}
 
@@ -179,7 +190,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.time()
     trainer.train()
     return {**timer.summary(), "load_s": round(load_s, 1), "train_s": round(time.time() - t, 1),
-            "same_token_ids_as_pipeline": same}
+            "same_token_ids_as_pipeline": same, "pairs_per_step": spec["pairs_per_step"], "padding_free": False}
 
 
 def _run(kind: str, spec: dict[str, Any], log: Path, timeout: int) -> dict[str, Any]:
@@ -205,13 +216,15 @@ def main() -> None:
     ap.add_argument("--shared", default="../shared/bench", help="folder with reference_recipe.py (make_model_dir)")
     ap.add_argument("--model-dir", default="/tmp/llama8b")
     ap.add_argument("--work", default="/tmp/qlora-bench-dpo")
-    ap.add_argument("--pairs", type=int, default=96)
-    ap.add_argument("--pairs-per-step", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=256, help="pairs written (the pipeline's token-sized micro-batches "
+                    "take about 20 each at 16k tokens: enough for --steps + 1 without repeating)")
+    ap.add_argument("--pairs-per-step", type=int, default=4, help="TRL's micro-batch; the pipeline's with packing "
+                    "off or on a CPU")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps, after one warm-up step")
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--answer-max", type=int, default=512)
     ap.add_argument("--variants", default="{}", help='more pipeline runs, JSON {name: speed overrides}, e.g. '
-                    '{"no_offload": {"offload_activations": false, "offload_embeddings": false}}')
+                    '{"padded": {"packing": false}} (TRL\'s padded batches of --pairs-per-step pairs)')
     ap.add_argument("--out", type=Path, help="write the JSON here (default: print only)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model with the same vocabulary: checks the script "
                     "end to end on a CPU in a few minutes (figures meaningless)")

@@ -301,7 +301,8 @@ class SpeedArgs(_Section):
     )
     packing: bool = Field(
         True, description="Pack whole examples into each micro-batch, each with its own position ids: no padding, "
-        "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere).",
+        "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere). DPO/KTO: TRL's "
+        "loss on the real tokens only, DPO's micro-batches whole pairs sized in tokens (docs/preference.md).",
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, the memory plan's choice (the "

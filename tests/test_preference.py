@@ -275,3 +275,62 @@ def test_kill_9_mid_dpo_resumes_with_the_same_number_of_steps(pairs: dict[str, s
     assert manifest["resumed_from_step"] >= saved and manifest["metrics"]["optimizer_steps"] == steps
     logged = [json.loads(line)["step"] for line in (done / "loss.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))
+
+
+def _twin_trainers(pairs: dict[str, str], method: str, tmp_path: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """TRL's padded path (speed.packing off) and the padding-free one, on the same weights, and 4 rows of data."""
+    from tasks.train_adapter import preference
+
+    config = load_config(None, [f"train.method={method}", "train.per_device_train_batch_size=4"])
+    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    trainers = [preference._trainer(config.lora, config.train, config.speed.model_copy(update={"packing": packing}),
+                                    dataset, tmp_path / str(packing), Path(pairs["model"]))[0]
+                for packing in (False, True)]
+    plain, packed = trainers
+    weights = dict(plain.model.named_parameters())
+    for name, param in packed.model.named_parameters():
+        if param.requires_grad:
+            param.data.copy_(weights[name].data)
+    rows = [plain.train_dataset[i] for i in range(4)]  # KTO's rows carry their KL answers
+    return plain, packed, rows
+
+
+def _loss_metrics_grads(trainer: Any, batch: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_padding_free_batches_compute_trls_padded_loss_rewards_and_gradients(pairs: dict[str, str], tmp_path: Path,
+                                                                            method: str) -> None:
+    """The same micro-batch through TRL's padded path and the padding-free one: loss, reward metrics and LoRA
+    gradients agree with LoRA B = 0 (policy = reference) and again after one SGD step on both."""
+    import torch
+
+    plain, packed, rows = _twin_trainers(pairs, method, tmp_path)
+    assert getattr(packed.model.get_base_model().forward, "padding_free", False)
+    assert not getattr(plain.model.get_base_model().forward, "padding_free", False)
+    plain_batch = plain.data_collator(rows)
+    packed_batch = packed.data_collator([{"pairs": rows}] if method == "dpo" else rows)
+    assert plain_batch["attention_mask"].float().mean() < 0.95  # the rows do pad: there is something to remove
+    for step in range(2):
+        loss, metrics, grads = _loss_metrics_grads(plain, plain_batch)
+        loss2, metrics2, grads2 = _loss_metrics_grads(packed, packed_batch)
+        assert loss2 == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+        assert metrics.keys() == metrics2.keys() and any(k.startswith("rewards/") for k in metrics)
+        for key, value in metrics.items():
+            assert metrics2[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grads2[name], grad, rtol=1e-4, atol=1e-6)
+        with torch.no_grad():  # the same SGD step on both: the rewards move off zero
+            for trainer, gradients in ((plain, grads), (packed, grads2)):
+                for name, param in trainer.model.named_parameters():
+                    if param.requires_grad:
+                        param -= 3.0 * gradients[name]
+    # measured after the step: policy and reference differ, so the rewards compared above were not all zero
+    assert any(abs(v) > 1e-6 for k, v in metrics.items() if k.startswith("rewards/") and "accurac" not in k)

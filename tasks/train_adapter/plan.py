@@ -43,6 +43,7 @@ class MicroBatches:
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
     recompute_mlp_layers: int = 0  # the next decoder layers, which recompute only their MLP
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
+    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (padding_free.py)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:
@@ -219,15 +220,18 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs), head, **plan_fields)
 
 
-def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longest: int) -> MemoryPlan:
+def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longest: int, tokens: int | None = None,
+                output_layer_movable: bool = True) -> MemoryPlan:
     """The fastest plan that fits speed.gpu_memory_budget_gb, within what the settings pin; fails with the numbers
-    when even the smallest one does not fit."""
+    when even the smallest one does not fit. `tokens` pins the micro-batch size where the caller sets it (KTO's
+    micro-batch of answers), else speed.max_tokens_per_batch does; `output_layer_movable` False keeps the output
+    layer on the GPU (TRL's fused LM head reads it there)."""
     import torch
 
     several = several_processes()  # offloads are single-process only (DDP broadcasts GPU tensors)
     mlps = bool(decoder_layers(base))
     choices = Choices(
-        tokens=speed.max_tokens_per_batch,
+        tokens=tokens or speed.max_tokens_per_batch,
         recompute_layers=speed.recompute_layers if train.gradient_checkpointing else 0,
         # a family whose layers have no .mlp can neither recompute nor chunk it: the plan must not count on either
         recompute_mlp_layers=speed.recompute_mlp_layers if train.gradient_checkpointing and mlps else 0,
@@ -238,7 +242,8 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
         longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0)
     emb, head = model.get_input_embeddings(), base.get_output_embeddings()
     movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
-    head_movable = head is not None and output_layer_offload_unsupported(base) is None and head.weight.is_cuda
+    head_movable = (output_layer_movable and head is not None and output_layer_offload_unsupported(base) is None
+                    and head.weight.is_cuda)
     fixed = Fixed(torch.cuda.memory_allocated(), sum(p.numel() for p in model.parameters() if p.requires_grad),
                   emb.weight.nbytes if movable else 0, head.weight.nbytes if head_movable else 0)
     dims, budget = model_dims(model.config), gpu_budget_gb(speed)

@@ -6,13 +6,27 @@ log-probabilities with the adapter turned off (peft's disable_adapter); starting
 keeps a frozen copy of that adapter ("ref", adapter-sized) and the reference is base + it. The data comes
 pre-tokenized from prepare_data in TRL's own columns, so TRL's tokenization step is skipped.
 
-Speed levers: Liger's kernels, MLP chunks, fused LoRA layers, (offloaded) checkpointing and the host-side
-embedding table apply as for SFT; packing and the fused cross-entropy step aside (TRL pads chosen and rejected
-into one batch, and computes log-probabilities with its own chunked LM head).
+Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reasoning and the measurements):
+- padding-free batches (speed.packing, on by default): TRL's trainers pad each row to the longest of the
+  micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; padding_free.py runs the real tokens as one
+  row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
+  KL passes alike. DPO's micro-batches are then groups of whole pairs sized in tokens (prompt + chosen and prompt
+  + rejected), like SFT's packs; KTO keeps per_device_train_batch_size answers per micro-batch (its KL term pairs
+  neighbours within one).
+- the memory plan (memory_plan.py, on a GPU with packing): DPO's group size, the recomputed layers and the
+  offloads for speed.gpu_memory_budget_gb; for KTO the recomputed layers and offloads at its micro-batch. The
+  output layer stays on the GPU (TRL's fused LM head reads it there).
+- TRL's own fused LM head computes the log-probabilities a vocabulary tile at a time, of the answers' tokens only,
+  so the pipeline's fused cross-entropy steps aside; Liger's kernels, MLP chunks, fused LoRA layers and the
+  host-side embedding table apply as for SFT.
+- the reference log-probabilities are computed in each step (TRL's default, one no-grad forward with the adapter
+  disabled), not precomputed: for one epoch both cost one forward per pair, and precomputing only moves it ahead
+  of training (and into a datasets cache file outside the run folder).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import shutil
@@ -59,7 +73,9 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
         model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
         (out / "adapter" / "README.md").unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method}
+    return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method,
+            "padding_free": batches.padding_free, "micro_batches_per_epoch": batches.packs,
+            "memory_plan": batches.memory_plan}
 
 
 def _dataset(path: Path, train: TrainArgs) -> Any:
@@ -86,28 +102,20 @@ def _dataset(path: Path, train: TrainArgs) -> Any:
 
 def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, out: Path, model_dir: Path
              ) -> tuple[Any, plan.MicroBatches]:
-    import torch
     from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
     from transformers import PrinterCallback
 
     from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
-    from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+    from tasks.train_adapter.fit import host_sync_free
+    from tasks.train_adapter.padding_free import unpad_forward
 
     model = load_quantized(model_dir)
     if speed.upcast_frozen_to_fp32:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    applied = plan.prepare_base(model, speed.model_copy(update={"packing": False, "fused_cross_entropy": False}))
-    logger().info("train_adapter (%s): %s; packing and the fused cross-entropy step aside: TRL pads chosen and "
-                  "rejected answers into one batch and computes log-probabilities with its own chunked LM head",
+    applied = plan.prepare_base(model, speed.model_copy(update={"fused_cross_entropy": False}))
+    logger().info("train_adapter (%s): %s; the fused cross-entropy steps aside: TRL computes the log-probabilities "
+                  "with its own fused LM head (a tile of the vocabulary at a time, the answers' tokens only)",
                   train.method, ", ".join(applied) or "no speed levers apply on this device")
-    cuda = torch.cuda.is_available()
-    offload = train.gradient_checkpointing and (speed.offload_activations if speed.offload_activations is not None
-                                                 else cuda and not plan.several_processes())
-    wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
-    embeddings = bool(wanted) and offload_embeddings(model)
-    if train.gradient_checkpointing:
-        enable_checkpointing(model, offload)
-        _keep_checkpoint_function(model, offload)
     peft_config = None
     if train.init_adapter:
         logger().info("train_adapter: starting from %s (its own LoRA settings; also the reference model)",
@@ -115,16 +123,18 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
         model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
     else:
         peft_config = LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())
+    grouped = _grouped(train, speed)
     collator = _CountingCollator(_collator(train, model.config.pad_token_id or 0))
     trainer_type, config_type = _trl(train.method)
     compute = read_model_metrics(model_dir).compute_dtype
-    settings = plan.trainer_settings(train, speed.model_copy(update={"packing": False}))
+    settings = plan.trainer_settings(train, speed.model_copy(update={"packing": grouped}))
     settings.update(beta=train.beta, **({"loss_type": train.loss_type} if train.loss_type else {}))
     if settings["bf16"] is None:
         settings["bf16"] = compute == "bfloat16"
     args = config_type(output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
                        fp16=compute == "float16", use_cpu=device() == "cpu", report_to=[], disable_tqdm=True,
-                       dataloader_num_workers=0, max_length=None, **settings)  # data.max_seq_length cut already
+                       dataloader_num_workers=0, max_length=None,  # data.max_seq_length cut already
+                       remove_unused_columns=not grouped, **host_sync_free(), **settings)
     trainer = trainer_type(model=model, args=args, train_dataset=dataset, data_collator=collator,
                            processing_class=_tokenizer(model_dir), peft_config=peft_config,
                            callbacks=[LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(),
@@ -135,20 +145,111 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
             if param.requires_grad:
                 param.data = param.data.float()
     plan.prepare_peft(trainer.model, speed)
-    return trainer, plan.MicroBatches(False, offload, embeddings, None)
+    batches = _micro_batches(trainer, train, speed, dataset)
+    # after TRL added its fused LM head, which this wraps
+    unpadded = speed.packing and unpad_forward(trainer.model.get_base_model())
+    logger().info("train_adapter (%s): micro-batches %s%s", train.method, batches,
+                  ", padding-free" if unpadded else ", padded by TRL")
+    return trainer, dataclasses.replace(batches, padding_free=unpadded)
 
 
-def _keep_checkpoint_function(model: Any, offload: bool) -> None:
+def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:
+    """Whether DPO's micro-batches are groups of pairs sized in tokens (speed.packing). KTO keeps its micro-batch
+    of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt within it."""
+    return speed.packing and train.method == "dpo"
+
+
+def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: Any) -> plan.MicroBatches:
+    """Choose and apply the micro-batch size, the recomputed layers and the offloads: on a GPU with packing
+    through the memory plan (DPO's pairs of a micro-batch are its "pack": the tokens of prompt + chosen and prompt +
+    rejected; KTO's micro-batch is pinned, per_device_train_batch_size times the longest answer with its prompt),
+    elsewhere every layer recomputed while train.gradient_checkpointing is on, as before."""
+    import torch
+
+    from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+    from tasks.train_adapter.memory_plan import model_dims
+    from tasks.train_adapter.mlp import decoder_layers
+
+    model = trainer.model
+    base = model.get_base_model()
+    lengths = _lengths(dataset, train.method)
+    grouped = _grouped(train, speed)
+    memory = None
+    if torch.cuda.is_available() and speed.packing:
+        pinned = None if grouped else train.per_device_train_batch_size * max(lengths)
+        memory = plan.memory_plan(model, base, train, speed, max(lengths), tokens=pinned, output_layer_movable=False)
+        logger().info("train_adapter (%s): %s (the output layer stays on the GPU: TRL's fused LM head reads it "
+                      "there)", train.method, memory.describe())
+        recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
+                                              memory.offload_embeddings, memory.tokens)
+    else:
+        layers = len(decoder_layers(base)) or model_dims(base.config).layers
+        recompute = 0 if not train.gradient_checkpointing else (
+            speed.recompute_layers if speed.recompute_layers is not None else layers)
+        offload = bool(recompute) and (speed.offload_activations if speed.offload_activations is not None
+                                       else torch.cuda.is_available() and not plan.several_processes())
+        wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+        tokens = speed.max_tokens_per_batch
+    embeddings = bool(wanted) and offload_embeddings(model)
+    enable_checkpointing(base, offload, recompute)
+    if recompute:
+        _keep_checkpoint_function(base, offload, recompute)
+    groups = None
+    if grouped:
+        trainer.train_dataset = _PairGroups(dataset, lengths, tokens,
+                                            None if tokens else train.per_device_train_batch_size, train.seed)
+        groups = len(trainer.train_dataset)
+    return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups, False,
+                             recompute if train.gradient_checkpointing or recompute else None,
+                             memory.as_dict() if memory is not None else None)
+
+
+def _lengths(dataset: Any, method: str) -> list[int]:
+    """Tokens per dataset row as the model sees them: DPO, prompt + chosen and prompt + rejected; KTO, prompt +
+    answer (its KL pass, under no_grad, is not counted)."""
+    prompts = [len(ids) for ids in dataset["prompt_ids"]]
+    if method == "dpo":
+        return [2 * p + len(c) + len(r) for p, c, r in zip(prompts, dataset["chosen_ids"], dataset["rejected_ids"],
+                                                            strict=True)]
+    return [p + len(c) for p, c in zip(prompts, dataset["completion_ids"], strict=True)]
+
+
+class _PairGroups:
+    """DPO's pairs as micro-batches of whole pairs of at most max_tokens tokens (or max_pairs pairs): packs.py's
+    seeded shuffle, then greedy; a pair longer than max_tokens goes alone. One item per micro-batch."""
+
+    def __init__(self, dataset: Any, lengths: list[int], max_tokens: int | None, max_pairs: int | None,
+                 seed: int) -> None:
+        from tasks.train_adapter.packs import plan_packs
+
+        self.dataset, self.groups = dataset, plan_packs(lengths, max_tokens, max_pairs, seed)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int) -> dict[str, list[dict[str, Any]]]:
+        return {"pairs": [self.dataset[j] for j in self.groups[i]]}
+
+
+def _keep_checkpoint_function(model: Any, offload: bool, recompute: int | None) -> None:
     """TRL turns checkpointing off around its no-grad reference pass and back on with transformers' default
-    function; this makes "back on" mean the pipeline's (offloaded) checkpointing again, hooks untouched."""
+    function, in every layer; this makes "back on" mean the pipeline's (offloaded) checkpointing again, in the
+    layers the plan recomputes, hooks untouched."""
     import torch.utils.checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     from tasks.train_adapter.checkpointing import offloaded_checkpoint
 
     func = offloaded_checkpoint if offload else functools.partial(torch.utils.checkpoint.checkpoint,
                                                                   use_reentrant=False)
-    model.gradient_checkpointing_enable = lambda *_, **__: model._set_gradient_checkpointing(
-        enable=True, gradient_checkpointing_func=func)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    def enable(*_: Any, **__: Any) -> None:
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+        for index, layer in enumerate(layers):
+            layer.gradient_checkpointing = recompute is None or index < recompute
+
+    model.gradient_checkpointing_enable = enable
 
 
 def _trl(method: str) -> tuple[type, type]:
@@ -209,6 +310,8 @@ class _CountingCollator:
         self.inner, self.real_tokens = inner, 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if examples and "pairs" in examples[0]:  # _PairGroups: one group of pairs per micro-batch
+            examples = [pair for group in examples for pair in group["pairs"]]
         batch = self.inner(examples)
         self.real_tokens += int(batch["attention_mask"].sum())
         return batch

@@ -92,7 +92,7 @@ def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
     from tasks.config import ModelArgs
 
     # hashing 16 GB of random weights costs ~30 s and proves nothing here: fingerprint by name and size
-    pm.model_fingerprint = lambda source, revision, only=None: {
+    pm.model_fingerprint = lambda source, revision, only=None, **_: {
         "files": json.dumps(sorted((p.name, p.stat().st_size) for p in Path(source).iterdir()))}
     t = time.time()
     folder = pm.prepare_model.fn(ModelArgs(base_model=spec["model_dir"], **spec.get("model", {})),

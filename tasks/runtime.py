@@ -259,3 +259,18 @@ def release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def load_for_evaluation(model_dir: Path, choice: bool | str) -> Any:
+    """The prepare_model checkpoint for inference: dequantized once when eval.dequantize says so (true, or auto
+    and it fits), else the 4-bit model; one log line says which, why, and the load's seconds."""
+    import time
+
+    start = time.perf_counter()
+    model = load_quantized(model_dir)
+    dequantized, why = dequantize_decision(model, choice)
+    if dequantized:
+        dequantize_in_place(model)
+    logger().info("evaluate_adapter: model loaded (%.1fs), evaluated %s (%s)", time.perf_counter() - start,
+                  "dequantized to its compute dtype" if dequantized else "in 4 bits", why)
+    return model

@@ -39,13 +39,7 @@ from tasks.examples import ParquetExamples, pad_collator
 from tasks.limits import cpu_share
 from tasks.log import logger
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
-from tasks.runtime import (
-    dequantize_decision,
-    dequantize_in_place,
-    load_quantized,
-    load_tokenizer,
-    release_device_memory,
-)
+from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
 VERSION = "3"
@@ -105,13 +99,7 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         if count == 0:
             raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
         tokenizer = load_tokenizer(Path(model_dir))
-        start = time.perf_counter()
-        model = load_quantized(Path(model_dir))
-        dequantized, why = dequantize_decision(model, args.dequantize)
-        if dequantized:
-            dequantize_in_place(model)
-        logger().info("evaluate_adapter: model loaded (%.1fs), evaluated %s (%s)", time.perf_counter() - start,
-                      "dequantized to its compute dtype" if dequantized else "in 4 bits", why)
+        model = load_for_evaluation(Path(model_dir), args.dequantize)
         batches = _batches(examples, count, args.per_device_eval_batch_size, model.config.pad_token_id or 0)
         prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)

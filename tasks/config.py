@@ -370,7 +370,18 @@ class EvalArgs(_Section):
     max_samples: int | None = Field(
         None, gt=0, description="Evaluate on at most this many eval examples; None = all."
     )
-    per_device_eval_batch_size: int = Field(8, gt=0, description="Examples per eval batch (loss and generation).")
+    per_device_eval_batch_size: int = Field(
+        8, gt=0, description="Memory size of an eval batch, in examples of the longest length: a loss batch holds "
+        "at most this many times the longest eval example's tokens, a generation batch this many times the longest "
+        "prompt plus max_new_tokens; examples are sorted by length, so short ones share a batch (fewer, fuller "
+        "batches, peak memory as a batch of this many longest examples).",
+    )
+    dequantize: Literal["auto"] | bool = Field(
+        "auto", description="Evaluate on the 4-bit base dequantized once to the compute dtype (plain matmuls, the "
+        "adapters attached by name) instead of the 4-bit layers, which dequantize every weight on every forward; "
+        "same numbers within rounding. auto = when the dequantized copy fits the free GPU memory (on CPU: the "
+        "available host memory) with a margin; false = always 4-bit (least memory).",
+    )
     generation_samples: int = Field(
         32, ge=0, description="Answer the first this many eval prompts by greedy generation, with the base model "
         "and with the adapter, and score the answers (exact match, ROUGE-L); 0 = no generation.",

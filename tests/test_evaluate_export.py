@@ -256,3 +256,74 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: di
         metrics["promotion_reason"])
     assert metrics["champion_version"] == "v0001"
     assert json.loads((root / "v0002" / "version.json").read_text())["reason"] == metrics["promotion_reason"]
+
+
+# --- evaluation at GPU speed: dequantized base, length-sorted batches --------------------------------------------
+def _eval_inputs(trained: dict[str, Any], size: int) -> tuple[list[dict[str, Any]], list[list[int]], list[int]]:
+    """The first 40 eval examples in length-sorted batches, their prompts, and the eos ids."""
+    from tasks.evaluate_adapter.stage import _batches
+    from tasks.examples import ParquetExamples
+    from tasks.runtime import load_tokenizer
+
+    examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")
+    count = min(40, len(examples))
+    prompts = [p for p, _ in filter(None, (split_prompt(**examples[i]) for i in range(count)))]
+    tokenizer = load_tokenizer(Path(trained["model"]))
+    return _batches(examples, count, size, tokenizer.pad_token_id), prompts, [tokenizer.eos_token_id]
+
+
+def _fp32_4bit(model: Any) -> Any:
+    """bnb's CPU inference kernel (AVX512-BF16 CPUs) rounds to bf16: turned off, the 4-bit layers run the fp32 math."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) -> None:
+    from peft import PeftModel
+
+    from tasks.evaluate_adapter.generation import greedy_generate
+    from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.runtime import dequantize_decision, dequantize_in_place, load_quantized
+
+    batches, prompts, eos = _eval_inputs(trained, 4)
+    adapter = Path(trained["adapter"]) / "adapter"
+    four_bit = _fp32_4bit(load_quantized(Path(trained["model"])))
+    plain = load_quantized(Path(trained["model"]))
+    assert dequantize_decision(plain, "auto")[0]  # 1 MB of weights fit any host
+    assert dequantize_decision(plain, False) == (False, "eval.dequantize=false")
+    dequantize_in_place(plain)
+    assert dequantize_decision(plain, True)[0] is False  # nothing left to dequantize
+    results = []
+    for model in (four_bit, plain):
+        base = [mean_loss(model, batches), greedy_generate(model, prompts, 4, 12, 0, eos)]
+        tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
+        results.append((base, [mean_loss(tuned, batches), greedy_generate(tuned, prompts, 4, 12, 0, eos)]))
+    (four_base, four_tuned), (plain_base, plain_tuned) = results
+    for four, same in ((four_base, plain_base), (four_tuned, plain_tuned)):
+        assert four[1] == same[1] and four[0][1] == same[0][1]  # identical greedy answers, same token count
+        # both compute in fp32 from the same dequantized NF4 weights: the 4-bit layer dequantizes on every forward
+        # and runs the same matmul. Measured 0.0 (bit-identical losses, same answers) on the 2-core dev host,
+        # 2026-12-02; 1e-5 leaves room for another BLAS's summation order. Dequantizing to another dtype than the
+        # layer's compute dtype would move it by ~1e-3 (bf16 rounding)
+        assert abs(four[0][0] - same[0][0]) < 1e-5
+    assert four_tuned[0][0] != four_base[0][0]  # the adapter is attached on both paths
+
+
+def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, Any]) -> None:
+    from tasks.evaluate_adapter.generation import greedy_generate
+    from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.runtime import dequantize_in_place, load_quantized
+
+    model = dequantize_in_place(load_quantized(Path(trained["model"])))
+    sorted_batches, prompts, eos = _eval_inputs(trained, 8)
+    one_by_one, _, _ = _eval_inputs(trained, 1)
+    assert len(sorted_batches) < len(one_by_one) / 4  # far fewer batches than examples
+    loss, tokens = mean_loss(model, sorted_batches)
+    alone = mean_loss(model, one_by_one)
+    assert tokens == alone[1] and abs(loss - alone[0]) < 1e-6 * alone[0]
+    batched = greedy_generate(model, prompts, 8, 12, 0, eos)
+    assert batched == [greedy_generate(model, [p], 1, 12, 0, eos)[0] for p in prompts]

@@ -57,26 +57,40 @@ def rouge_l(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def by_length(lengths: list[int], size: int) -> list[list[int]]:
+    """Indices grouped shortest first, each group padded to its longest holding at most `size` times the longest
+    of all `lengths` tokens: as much memory as `size` longest items, fewer groups when most are short."""
+    budget = size * max(lengths, default=0)
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):  # stable: equal lengths keep their order
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)  # ascending lengths: item i is the group's longest so far
+        else:
+            groups.append([i])
+    return groups
+
+
 def greedy_generate(model: Any, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
                     eos_ids: list[int]) -> list[list[int]]:
-    """New tokens per prompt by greedy decoding, batch_size prompts at a time, each cut at its first eos."""
+    """New tokens per prompt by greedy decoding, each cut at its first eos, in the prompts' order. Prompts are
+    batched by length (by_length: at most batch_size times the longest prompt plus max_new_tokens tokens a batch),
+    left-padded so that new tokens start together."""
     import torch
 
     device = next(model.parameters()).device
     model.eval()  # no LoRA dropout: greedy answers are then a pure function of the weights
-    outputs: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for group in by_length([len(p) + max_new_tokens for p in prompts], batch_size):
+        batch = [prompts[i] for i in group]
         width = max(map(len, batch))
-        # left padding: every prompt ends at the same column, so new tokens start together
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos_ids)
-        for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-            outputs.append(row[:cut])
+        for i, row in zip(group, out[:, width:].tolist(), strict=True):
+            cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))
+            outputs[i] = row[:cut]
     return outputs
 
 

@@ -31,7 +31,7 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path,
     import pyarrow.parquet as pq
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized, load_tokenizer
+    from tasks.runtime import load_for_evaluation, load_tokenizer
 
     rows = pq.read_table(data_dir / "eval.parquet").to_pylist()[:args.max_samples]
     if not rows:
@@ -47,11 +47,11 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path,
     prompts = [r["prompt_ids"] for r in wanted]
     refs = [(r["chosen_ids"] if paired else r["completion_ids"]) for r in wanted]
     refs = [tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True) for ids in refs]
-    model = load_quantized(model_dir)
+    model = load_for_evaluation(model_dir, args.dequantize)
     pad = tokenizer.pad_token_id or 0
     results = {}
     for name in ("base", "tuned", "champion")[:3 if champion else 2]:
-        if name == "tuned":  # adapters attached by name to the one 4-bit base
+        if name == "tuned":  # adapters attached by name to the one base
             model = PeftModel.from_pretrained(model, adapter_dir / "adapter", adapter_name="tuned")
         if name == "champion":
             model.load_adapter(champion, adapter_name="champion")

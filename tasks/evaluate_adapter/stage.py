@@ -3,7 +3,8 @@
 Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model), the adapter
 (train_adapter) and, when the registry named by export.name has a champion on the same base model, that
 champion's adapter. For the base model, then the same model with the adapter, then with the champion's
-adapter instead (one 4-bit base, adapters attached by name), on the very same batches and prompts:
+adapter instead (one base, dequantized once when it fits: eval.dequantize; adapters attached by name), on the
+very same batches and prompts:
 
 - the token-weighted mean loss over label tokens, and its perplexity;
 - greedy answers to the first eval.generation_samples prompts (the tokens before each example's first
@@ -34,14 +35,15 @@ from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
-from tasks.evaluate_adapter.generation import exact_match, greedy_generate, rouge_l, score, split_prompt
+from tasks.evaluate_adapter.generation import by_length, exact_match, greedy_generate, rouge_l, score, split_prompt
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.limits import cpu_share
 from tasks.log import logger
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
-from tasks.runtime import load_quantized, load_tokenizer
+from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
-VERSION = "2"  # 2: generation metrics, samples.jsonl, lm-evaluation-harness
+# 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
+VERSION = "3"
 
 
 def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
@@ -98,14 +100,16 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         if count == 0:
             raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
         tokenizer = load_tokenizer(Path(model_dir))
-        model = load_quantized(Path(model_dir))
+        model = load_for_evaluation(Path(model_dir), args.dequantize)
         batches = _batches(examples, count, args.per_device_eval_batch_size, model.config.pad_token_id or 0)
         prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
-        logger().info("evaluate_adapter: %d eval examples in %d batches, %d greedy answers, base model then "
-                      "base + adapter", count, len(batches), len(prompts))
+        logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
+                      "model then base + adapter", count, len(batches), len(prompts))
         results = _evaluate_all(model, Path(adapter_dir) / "adapter", rival, tokenizer, batches, prompts, args,
                                 run_lm_eval)
+        del model  # the dequantized copy (or the 4-bit model) is not needed past this point
+        release_device_memory()
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
         samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
         metrics = {**_metrics(results, refs, count, args), **_rival(judged)}
@@ -118,9 +122,12 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
 
 
 def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> list[dict[str, Any]]:
+    """The first `count` examples, sorted by length, in padded batches of at most `size` times the longest
+    example's tokens: as much memory as a batch of `size` longest examples, far fewer batches when most are short.
+    The loss is a sum over label tokens, so the order of examples does not change it (beyond float rounding)."""
     collate = pad_collator(pad_id)
-    return [collate([examples[i] for i in range(start, min(start + size, count))])
-            for start in range(0, count, size)]
+    rows = [examples[i] for i in range(count)]
+    return [collate([rows[i] for i in group]) for group in by_length([len(r["input_ids"]) for r in rows], size)]
 
 
 def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
@@ -159,7 +166,7 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
               args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
     start = time.perf_counter()
     loss, tokens = mean_loss(model, batches)
-    logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens (%.0fs); generating %d answers "
+    logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens (%.1fs); generating %d answers "
                   "(at most %d new tokens each)", label, loss, tokens, time.perf_counter() - start, len(prompts),
                   args.max_new_tokens)
     start = time.perf_counter()
@@ -167,7 +174,7 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
     answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
                               tokenizer.pad_token_id, eos)
     if prompts:
-        logger().info("evaluate_adapter: %s model: %d answers generated (%.0fs)", label, len(answers),
+        logger().info("evaluate_adapter: %s model: %d answers generated (%.1fs)", label, len(answers),
                       time.perf_counter() - start)
     return {"loss": loss, "tokens": tokens, "answers": [tokenizer.decode(a, skip_special_tokens=True)
                                                        for a in answers],
@@ -250,17 +257,19 @@ def mean_loss(model: Any, batches: list[dict[str, Any]]) -> tuple[float, int]:
     """Token-weighted mean next-token loss over label tokens, and the number of those tokens."""
     import torch
 
-    total, tokens = 0.0, 0
     model.eval()
     device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # counted on the host's copies
     with torch.no_grad():
         for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             targets = batch["labels"][:, 1:]
             losses = torch.nn.functional.cross_entropy(
                 logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                ignore_index=-100, reduction="sum")
-            total += losses.item()
-            tokens += int((targets != -100).sum())
-    return total / tokens, tokens
+                ignore_index=-100, reduction="none")
+            # float64 running sum, kept on the device: no host sync per batch, and the sum hardly depends on
+            # how examples are grouped into batches
+            total += losses.double().sum()
+    return total.item() / tokens, tokens

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -109,19 +110,25 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     import torch
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized
+    from tasks.runtime import load_quantized, release_device_memory
 
     # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
     # original full-precision ones, whose quantization error the adapter never saw)
+    start = time.perf_counter()
     quantized = load_quantized(model_dir)
+    loaded = time.perf_counter()
     conv1d = _conv1d_names(quantized)
     base = quantized.dequantize().to(getattr(torch, args.merged_dtype))
     merged = _restore_conv1d(PeftModel.from_pretrained(base, adapter).merge_and_unload(), conv1d)
+    merged_at = time.perf_counter()
     disk.require("export_adapter", out.parents[2], out, merged.get_memory_footprint(),  # out: runs/stage/key/merged
                  f"the merged {args.merged_dtype} model")
     merged.save_pretrained(out, max_shard_size=args.max_shard_size)
     _copy_files(model_dir, out, names=_tokenizer_files(model_dir))
-    logger().info("export_adapter: merged %s model (%s) in %s", args.merged_dtype, adapter, out)
+    logger().info("export_adapter: merged %s model (%s) in %s: load %.1fs, dequantize and merge %.1fs, save %.1fs",
+                  args.merged_dtype, adapter, out, loaded - start, merged_at - loaded, time.perf_counter() - merged_at)
+    del quantized, base, merged
+    release_device_memory()
     return sorted(str(p.relative_to(out.parent)) for p in out.rglob("*") if p.is_file())
 
 

@@ -47,7 +47,7 @@ def is_out_of_space(exc: BaseException, folder: Path | None = None) -> bool:
 
 
 def _mb(size: int) -> str:
-    return f"{size / 2**20:,.1f} MB"
+    return f"{size / 2**20:,.1f} MB" if size >= 2**20 // 10 else f"{size / 2**10:,.0f} KB"  # a record: KB
 
 
 def _paragraph(step: str, runs_dir: Path, folder: Path, needed: int | None, what: str, left: str) -> str:

@@ -121,7 +121,7 @@ def _fill(disk: Path, leave: int) -> Path:
 
 def _full_disk_paragraph(info: pytest.ExceptionInfo[UserError], stage: str, runs: Path) -> None:
     message = str(info.value)
-    for fragment in (f"{stage}: not enough disk space under runs_dir {runs}", "MB free of 8.0 MB",
+    for fragment in (f"{stage}: not enough disk space under runs_dir {runs}", "B free of 8.0 MB",
                      "Free space there or set runs_dir to a larger disk"):
         assert fragment in message, message
     assert "\n" not in message
@@ -220,6 +220,35 @@ def test_run_record_on_a_full_disk_leaves_no_run_folder(small_disk: Path, export
     if backend:
         assert summary["tracking"]["tensorboard"]["logged"] == "now"
         assert not [p for p in events.rglob(".*")]  # the temporary folder is gone
+
+
+@pytest.mark.slow  # three CLI runs
+def test_cli_full_disk_in_the_registry_repair_is_exit_2_and_recovers(small_disk: Path, small_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """The command a person types: every stage cached, the registry's self-repair finds the disk full."""
+    runs = small_disk / "runs"
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(small_data, runs)), [])]
+    env = cli_env(tmp_path / "prefect")
+    out, err = finish(cli(args, env, tmp_path / "first"), tmp_path / "first", timeout=900)
+    first = last_json(out)
+    root = runs / "exports" / "adapter"
+    whole = _tree(root)
+    shutil.rmtree(root / "v0001")
+    (root / "champion.json").unlink()
+    before = _tree(root)
+    filler = _fill(small_disk, 0)
+    full = cli(args, env, tmp_path / "full")
+    out, err = finish(full, tmp_path / "full", timeout=900)
+    assert full.returncode == USER_ERROR_EXIT, err[-3000:]
+    message = " ".join(err.split())
+    assert f"error: the repair of exports registry adapter: not enough disk space under runs_dir {runs}" in message
+    assert "Traceback" not in err and "it needs about" in message, err[-3000:]
+    assert _tree(root) == before and [p.name for p in (runs / "runs").iterdir()] == [Path(first["run_dir"]).name]
+    filler.unlink()
+    out, err = finish(cli(args, env, tmp_path / "again"), tmp_path / "again", timeout=900)
+    again = last_json(out)
+    assert {k: v["status"] for k, v in again["stages"].items()} == dict.fromkeys(first["stages"], "cached")
+    assert _tree(root) == whole and again["metrics"]["champion_version"] == "v0001"
 
 
 # 0: the tokenizer's memo does not fit; 9 pages: it does (8), the first part's rows (7.7 KB) do not

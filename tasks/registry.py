@@ -11,8 +11,9 @@ base model's identity and the train_adapter key, so a version can be verified on
 scored again on this run's eval data only when it fits the same base model (`judged_against`).
 
 A version is copied under a temp name and renamed into place, so a crash leaves no half version (only
-a `.tmp-*` folder, cleared by the next publish); champion.json is replaced atomically (temp file +
-os.replace). A file lock beside the registry serializes publishers. Each version records the export
+a `.tmp-*` folder, cleared by the next publish; a copy that fails, say on a full disk, removes its own);
+champion.json is replaced atomically (disk.write_whole). A full disk during a repair is one paragraph
+(disk.writing). A file lock beside the registry serializes publishers. Each version records the export
 stage key that produced it: a stage recomputed under the same key (its manifest lost after publishing)
 gets that version back instead of a second one.
 
@@ -287,8 +288,9 @@ def _repairing(root: Path, stage_dir: Path) -> Any:
     source = Path(stage_dir)
     published = [p.stat().st_size for p in (source / PUBLISHED).glob("*") if p.is_file()]
     return disk.writing(f"the repair of exports registry {root.name}", root.parent.parent, root,
-                        left="the registry is as it was: a version is copied under a temporary name, removed "
-                        "now, and renamed into place only when whole; champion.json is replaced whole or not at all",
+                        left="nothing half-made is in the registry: a version is copied under a temporary name, "
+                        "removed now, and renamed into place only when whole; champion.json is replaced whole or "
+                        "not at all",
                         what="a version's record and card (its other files are hard links where the filesystem "
                         "allows) and champion.json", needed=disk.blocks(*published, *published[-1:]))
 

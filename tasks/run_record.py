@@ -94,7 +94,9 @@ def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list
     rows.append((f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics, "this run's"))
     if champion is not None and champion["version"] != judged:
         rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"], "its own night's"))
-    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if "tuned_reward_accuracy" in metrics else [])
+    # a column of n/a on an SFT run (whose metrics hold the key as None) reads as a missing result
+    preference = metrics.get("tuned_reward_accuracy") is not None
+    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if preference else [])
     return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
             for label, prefix, m, data in rows]
 

@@ -179,6 +179,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # a training, an evaluation and an export on the small disk (25-50 s)
 def test_registry_repair_on_a_full_disk_leaves_the_registry_as_it_was(small_disk: Path, exported: dict[str, Any]
                                                                        ) -> None:
     root = exported["root"]
@@ -197,6 +198,7 @@ def test_registry_repair_on_a_full_disk_leaves_the_registry_as_it_was(small_disk
     assert _tree(root) == whole
 
 
+@pytest.mark.slow  # a training, an evaluation and an export on the small disk (25-50 s)
 @pytest.mark.parametrize("backend", [[], ["tensorboard"]])
 def test_run_record_on_a_full_disk_leaves_no_run_folder(small_disk: Path, exported: dict[str, Any],
                                                         backend: list[str]) -> None:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tasks import disk
 from tasks.log import current_run_attempt
 
 
@@ -166,7 +167,7 @@ def figure(columns: int = 1, size: tuple[float, float] = (6, 3.5)) -> tuple[Any,
 
 
 def png_bytes(fig: Any, png: Path | None = None) -> bytes:
-    """The figure as PNG bytes (also written to `png` when given), its axes gridded; the figure is closed."""
+    """The figure as PNG bytes (also written whole to `png` when given), its axes gridded; the figure is closed."""
     import io
 
     import matplotlib.pyplot as plt
@@ -178,7 +179,7 @@ def png_bytes(fig: Any, png: Path | None = None) -> bytes:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     if png is not None:
-        png.write_bytes(buffer.getvalue())
+        disk.write_whole(png, buffer.getvalue())
     return buffer.getvalue()
 
 
@@ -188,9 +189,10 @@ def inline_png(image: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(image).decode()})"
 
 
-def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training loss per optimizer step"
-               ) -> bytes | None:
-    """Plot loss.jsonl (to `png` when given) and show it in the run as a markdown artifact with the image inline.
+def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training loss per optimizer step",
+               write: bool = True) -> bytes | None:
+    """Plot loss.jsonl (to `png` when given; `write=False`: the caller writes it there) and show it in the run as
+    a markdown artifact with the image inline.
 
     Inline (a data: URI) because the browser then loads it from the Prefect server's own page; a file:// link
     to the worker's disk is refused by browsers. Called during training too: the run's one `loss-curve`
@@ -203,7 +205,7 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
     ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="." if len(entries) < 50 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    image = png_bytes(fig, png)
+    image = png_bytes(fig, png if write else None)
     if _in_run():
         last = entries[-1]
         markdown = (f"## {title}\n\n{inline_png(image, 'training loss')}"
@@ -226,9 +228,11 @@ def _history_cell(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = None) -> bytes | None:
+def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = None, write: bool = True
+                     ) -> bytes | None:
     """The `registry-history` artifact: each version's tuned loss and its champion's same-night loss, plotted
-    (inline PNG, as loss_curve) and tabled; the PNG bytes, or None with no versions."""
+    (inline PNG, as loss_curve) and tabled; the PNG bytes, or None with no versions. `write=False`: the caller
+    writes the bytes to `png` itself (the run record writes its files together)."""
     if not rows:
         return None
     x = list(range(len(rows)))
@@ -243,7 +247,7 @@ def registry_history(name: str, rows: list[dict[str, Any]], png: Path | None = N
     ax.set_ylabel("eval loss")
     ax.set_title(f"{name}: versions (P promoted, R rejected)")
     ax.legend()
-    image = png_bytes(fig, png)
+    image = png_bytes(fig, png if write else None)
     if _in_run():
         from prefect.artifacts import create_markdown_artifact
 

@@ -486,9 +486,8 @@ class StageRun:
             metrics=metrics, versions=versions(), run_attempt=current_run_attempt(), started_at=self.started,
             seconds=round(time.time() - self.started, 2), resumed_from_step=resumed_from_step,
         )
-        tmp = self.dir / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(manifest.model_dump_json(indent=2, exclude_unset=True))  # metrics as the stage reported them
-        os.replace(tmp, self.dir / MANIFEST)
+        # metrics as the stage reported them
+        disk.write_whole(self.dir / MANIFEST, manifest.model_dump_json(indent=2, exclude_unset=True))
         self.done = True
         from tasks.artifacts import stage_summary  # lazily: artifacts needs prefect, this module does not
 

@@ -11,8 +11,9 @@ base model's identity and the train_adapter key, so a version can be verified on
 scored again on this run's eval data only when it fits the same base model (`judged_against`).
 
 A version is copied under a temp name and renamed into place, so a crash leaves no half version (only
-a `.tmp-*` folder, cleared by the next publish); champion.json is replaced atomically (temp file +
-os.replace). A file lock beside the registry serializes publishers. Each version records the export
+a `.tmp-*` folder, cleared by the next publish; a copy that fails, say on a full disk, removes its own);
+champion.json is replaced atomically (disk.write_whole). A full disk during a repair is one paragraph
+(disk.writing). A file lock beside the registry serializes publishers. Each version records the export
 stage key that produced it: a stage recomputed under the same key (its manifest lost after publishing)
 gets that version back instead of a second one.
 
@@ -36,6 +37,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from tasks import disk
 from tasks.manifest import check_stage, file_sha256, hash_json, read_manifest
 
 VERSION_FILE = "version.json"
@@ -110,9 +112,8 @@ def repaired(root: Path, record: dict[str, Any]) -> str:
     stage, why = check_stage(source)
     if stage is None:
         return f"{problem}; its export stage folder {source} cannot restore it ({why})"
-    with FileLock(str(root) + ".lock"):
-        shutil.rmtree(root / record["version"])
-        _place_version(root, source, record["version"])
+    with FileLock(str(root) + ".lock"), _repairing(root, source):
+        _place_version(root, source, record["version"], replacing=True)
     return damage(root, record)
 
 
@@ -262,17 +263,36 @@ def _keep_published(version_dir: Path, source: Path) -> None:
         shutil.copyfile(version_dir / name, source / PUBLISHED / name)
 
 
-def _place_version(root: Path, source: Path, version: str) -> None:
-    """Copy a stage folder (with its published/ card and record) to root/version, atomically by rename."""
+def _place_version(root: Path, source: Path, version: str, replacing: bool = False) -> None:
+    """Copy a stage folder (with its published/ card and record) to root/version, atomically by rename; a copy
+    that fails (a full disk) is removed. `replacing`: a damaged root/version is swapped out only once the new
+    copy is whole."""
     tmp = root / f".tmp-{version}-{os.getpid()}"
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("manifest.json", ".*", PUBLISHED),
-                    copy_function=_link_or_copy)
-    for name in ("README.md", VERSION_FILE):
-        (tmp / name).unlink(missing_ok=True)  # may be a hard link to the stage's card: never write through
-        shutil.copyfile(source / PUBLISHED / name, tmp / name)
-    if (root / version).exists():  # rename would replace an empty folder; never overwrite anything
-        raise RuntimeError(f"{root / version} exists although no version.json names it; remove it by hand")
-    os.rename(tmp, root / version)
+    try:
+        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("manifest.json", ".*", PUBLISHED),
+                        copy_function=_link_or_copy)
+        for name in ("README.md", VERSION_FILE):
+            (tmp / name).unlink(missing_ok=True)  # may be a hard link to the stage's card: never write through
+            shutil.copyfile(source / PUBLISHED / name, tmp / name)
+        if replacing:
+            shutil.rmtree(root / version, ignore_errors=True)
+        if (root / version).exists():  # rename would replace an empty folder; never overwrite anything
+            raise RuntimeError(f"{root / version} exists although no version.json names it; remove it by hand")
+        os.rename(tmp, root / version)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _repairing(root: Path, stage_dir: Path) -> Any:
+    """A full disk during a repair of root is the one-paragraph error: the registry is left as it was."""
+    source = Path(stage_dir)
+    published = [p.stat().st_size for p in (source / PUBLISHED).glob("*") if p.is_file()]
+    return disk.writing(f"the repair of exports registry {root.name}", root.parent.parent, root,
+                        left="nothing half-made is in the registry: a version is copied under a temporary name, "
+                        "removed now, and renamed into place only when whole; champion.json is replaced whole or "
+                        "not at all",
+                        what="a version's record and card (its other files are hard links where the filesystem "
+                        "allows) and champion.json", needed=disk.blocks(*published, *published[-1:]))
 
 
 def repair(root: Path, stage_dir: Path) -> list[str]:
@@ -283,20 +303,19 @@ def repair(root: Path, stage_dir: Path) -> list[str]:
     record = json.loads(record_file.read_text())
     root.mkdir(parents=True, exist_ok=True)
     done: list[str] = []
-    with FileLock(str(root) + ".lock"):
+    with FileLock(str(root) + ".lock"), _repairing(root, stage_dir):
         version = record["version"]
-        if not (root / version / VERSION_FILE).is_file():
-            if (root / version).exists():
-                shutil.rmtree(root / version)  # a damaged copy: its version.json is gone
-            _place_version(root, Path(stage_dir), version)
+        if not (root / version / VERSION_FILE).is_file():  # gone, or a damaged copy without its version.json
+            _place_version(root, Path(stage_dir), version, replacing=True)
             done.append(f"restored {version} from {stage_dir}")
         current = champion(root)
         if current is None or not (root / current["version"] / VERSION_FILE).is_file():
             newest = next((r for r in reversed(versions(root)) if r["promotion"] == "promoted"), None)
-            (root / CHAMPION).unlink(missing_ok=True)
             if newest is not None:
-                _ensure_champion(root, newest)
+                _write_champion(root, newest)
                 done.append(f"rebuilt {CHAMPION}: champion {newest['version']}")
+            else:
+                (root / CHAMPION).unlink(missing_ok=True)
     return done
 
 
@@ -317,10 +336,13 @@ def _ensure_champion(root: Path, record: dict[str, Any]) -> None:
     current = champion(root)
     if current is not None and int(current["version"][1:]) >= int(record["version"][1:]):
         return
+    _write_champion(root, record)
+
+
+def _write_champion(root: Path, record: dict[str, Any]) -> None:
+    """champion.json naming record's version, replaced whole (temp file + os.replace)."""
     keep = ("version", "path", "metrics", "eval_data", "reason", "rule", "files", "base_model", "published_at")
-    tmp = root / f".{CHAMPION}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({k: record[k] for k in keep if k in record}, indent=2))
-    os.replace(tmp, root / CHAMPION)
+    disk.write_whole(root / CHAMPION, json.dumps({k: record[k] for k in keep if k in record}, indent=2))
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from tasks import artifacts, registry, tracking
+from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt, logger
@@ -39,9 +40,8 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
                        export_published="by this run" if stages["export_adapter"]["status"] != "cached"
                        else "by an earlier run")
     summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
-    run_dir.mkdir(parents=True, exist_ok=True)
     train_dir = Path(stages["train_adapter"]["dir"])
-    loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png")
+    files = {"loss.png": loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png", write=False)}
     artifacts.run_completed(stages["train_adapter"]["status"], by_stage["train_adapter"].get("optimizer_steps"))
     if "promotion" in metrics:  # every run, cached or not: the nightly report is right when nothing changed
         root = registry.registry_dir(config.runs_dir, config.export.name)
@@ -49,12 +49,26 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
         artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "
                         f"{metrics['export_version']} {metrics['promotion']}: {metrics['promotion_reason']} "
                         f"Champion now: {metrics['champion_version'] or 'none'}.")
-        artifacts.registry_history(config.export.name, registry.history(root), run_dir / "registry-history.png")
+        files["registry-history.png"] = artifacts.registry_history(
+            config.export.name, registry.history(root), run_dir / "registry-history.png", write=False)
     if config.track.backend:  # one MLflow/TensorBoard run per result: this run's, or the earlier one it reused
         summary["tracking"] = tracking.finish(config, stage_dirs, {k: v["status"] for k, v in stages.items()}, metrics)
-    (run_dir / "run.json").write_text(json.dumps({**summary, "config": config.model_dump(mode="json")},
-                                                 indent=2))
+    files["run.json"] = json.dumps({**summary, "config": config.model_dump(mode="json")}, indent=2).encode()
+    write_run_folder(run_dir, Path(config.runs_dir), {name: data for name, data in files.items() if data is not None})
     return summary
+
+
+def write_run_folder(run_dir: Path, runs_dir: Path, files: dict[str, bytes]) -> None:
+    """Write the run folder's files (run.json last, each whole); on a full disk remove the folder, so that no run
+    folder without its run.json, or with half of one, is left: the one-paragraph error says how much it needs."""
+    left = f"the run folder {run_dir} was removed: a run folder holds a whole run.json or does not exist"
+    new = not run_dir.exists()  # never remove another run's folder (same second, same attempt)
+    with disk.writing("the run record (run.json)", runs_dir, run_dir.parent, left, "run.json and its plots",
+                      disk.blocks(*map(len, files.values())),
+                      undo=lambda: new and shutil.rmtree(run_dir, ignore_errors=True)):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():  # run.json is the dict's last entry
+            disk.write_whole(run_dir / name, data)
 
 
 def registry_now(config: RunConfig, export_dir: Path) -> dict[str, Any]:
@@ -80,7 +94,9 @@ def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list
     rows.append((f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics, "this run's"))
     if champion is not None and champion["version"] != judged:
         rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"], "its own night's"))
-    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if "tuned_reward_accuracy" in metrics else [])
+    # a column of n/a on an SFT run (whose metrics hold the key as None) reads as a missing result
+    preference = metrics.get("tuned_reward_accuracy") is not None
+    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if preference else [])
     return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
             for label, prefix, m, data in rows]
 

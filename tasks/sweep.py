@@ -20,7 +20,6 @@ import functools
 import itertools
 import json
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tasks import registry, tracking
+from tasks import disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
@@ -465,8 +464,10 @@ def _number(value: Any) -> str:
 
 
 def _write(path: Path, data: str | bytes) -> None:
-    """Write a file of the sweep folder whole (temp file + rename): a reader never sees half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    """Write a file of the sweep folder (runs_dir/sweeps/<key>/) whole: a reader never sees half of it, and a
+    full disk is the one-paragraph error, with the file as it was before (the candidates' stages are kept)."""
+    left = f"{path.name} is written to a temporary file and renamed over the old one only when whole"
+    with disk.writing(f"the sweep record ({path.name})", path.parents[2], path.parent, left, path.name,
+                      disk.blocks(len(data))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        disk.write_whole(path, data)

@@ -388,8 +388,10 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
         WebDriverWait(browser, 60).until(lambda b: "Completed" in b.page_source)
         browser.save_screenshot(str(SCREENSHOTS / "3-flow-run-completed.png"))
         browser.get_log("browser")  # drop what came before
-        for number, key in ((4, "loss-curve"), (5, "train-progress"), (6, "eval-metrics")):
+        for number, key in ((4, "loss-curve"), (5, "train-progress"), (6, "eval-metrics"), (7, "eval-samples")):
             (artifact,) = _artifacts(flow_run_id, key)
+            if key == "eval-samples":  # this data has no prompt/answer split: say so, not "0 held-out prompts"
+                assert artifact.description.startswith("No held-out prompts answered"), artifact.description
             browser.get(f"http://127.0.0.1:{server['port']}/artifacts/artifact/{artifact.id}")
             if key == "loss-curve":  # the PNG inline in the markdown, loaded by the browser from the page itself
                 WebDriverWait(browser, 60).until(lambda b: b.execute_script(

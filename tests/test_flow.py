@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ def test_default_run_publishes_the_first_champion_and_eval_tables(default_run: d
             any_=["eval-samples", "eval-metrics"])))
     tables = {a.key: a for a in found if str(a.flow_run_id).startswith(flow_run_id)}
     assert set(tables) == {"eval-samples", "eval-metrics"} and tables["eval-metrics"].type == "table"
+    data = tables["eval-metrics"].data
+    rows = json.loads(data) if isinstance(data, str) else data
+    assert rows[0]["model"] == "base" and "reward accuracy" not in rows[0]  # an SFT run: no column of n/a
 
 
 def test_stage_folders_hold_exactly_their_outputs(default_run: dict[str, Any]) -> None:

@@ -116,7 +116,8 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
         logger().info("evaluate_adapter: %s", _readable(metrics))
         artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
-                       f"model and by base + adapter (max {args.max_new_tokens} new tokens)")
+                        f"model and by base + adapter (max {args.max_new_tokens} new tokens)" if samples else
+                        _NO_SAMPLES)
         stage.finish(outputs, metrics)
         return str(stage.dir)
 
@@ -128,6 +129,11 @@ def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> l
     collate = pad_collator(pad_id)
     rows = [examples[i] for i in range(count)]
     return [collate([rows[i] for i in group]) for group in by_length([len(r["input_ids"]) for r in rows], size)]
+
+
+# what the eval-samples artifact says instead of "0 held-out prompts" above an empty table
+_NO_SAMPLES = ("No held-out prompts answered: eval.generation_samples is 0, or the eval examples have no prompt/answer "
+               "split (text data, or data.completion_only_loss off), so there is nothing to generate from.")
 
 
 def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tasks import disk
 from tasks.errors import UserError
 from tasks.log import logger
 
@@ -24,6 +25,9 @@ from tasks.log import logger
 # llama.cpp's converter does it for Llama-style models, Qwen2 uses the NeoX layout unchanged)
 FAMILIES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
 FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+# bytes per weight of each type (a quantized block: 32 weights and their scales), for the disk-space check
+BYTES_PER_WEIGHT = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                    "q5_0": 22 / 32, "q5_1": 24 / 32}
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1"}
 
@@ -41,6 +45,9 @@ def write_gguf(merged: Path, out: Path, types: list[str]) -> list[str]:
         logger().info("export_adapter: no GGUF: the tokenizer is not byte-level BPE, the one vocabulary the GGUF "
                       "export writes (sentencepiece-style tokenizers are not supported yet)")
         return []
+    weights = _weight_count(merged, config)
+    disk.require("export_adapter", out.parents[2], out, int(sum(weights * BYTES_PER_WEIGHT[t] for t in types)),
+                 f"the GGUF files ({', '.join(types)})")  # out: runs/export_adapter/key/gguf
     out.mkdir(parents=True, exist_ok=True)
     names = [_write_one(config, family, merged, out / f"model-{kind}.gguf", kind) for kind in types]
     (out / "Modelfile").write_text(modelfile(names[0], merged))
@@ -59,6 +66,13 @@ def _family(config: dict[str, Any], types: list[str]) -> tuple[str, bool] | None
         raise UserError(f"export.gguf={types} needs the gguf package, which is not installed: install the serving "
                         "extra (pip install -e \".[serving]\") or set export.gguf=[]")
     return family
+
+
+def _weight_count(merged: Path, config: dict[str, Any]) -> int:
+    """About how many weights merged/ holds: its safetensors bytes over the merged dtype's size."""
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    size = 4 if dtype == "float32" else 2
+    return sum(f.stat().st_size for f in merged.glob("*.safetensors")) // size
 
 
 def _byte_level_bpe(tokenizer_json: Path) -> bool:

@@ -106,8 +106,13 @@ def prepare(fs: Any, paths: list[str], settings: Settings, tokenizer: dict[str, 
                 order.append(path)
                 yield chunk
 
-    for tokenized in tokenize_all(chunks(), settings, workers):
-        writers[order.popleft()].write(tokenized)
+    try:
+        for tokenized in tokenize_all(chunks(), settings, workers):
+            writers[order.popleft()].write(tokenized)
+    except BaseException:  # a full disk, a bad file, a kill: no temporary part stays to hold the space
+        for writer in writers.values():
+            writer.discard()
+        raise
     changed = []
     for path, writer in writers.items():  # in file order; a file without rows gets an empty part
         problems.merge(writer.problems)
@@ -156,6 +161,15 @@ class _PartWriter:
             self.file.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, part.input_ids),
                                             "labels": pa.ListArray.from_arrays(offsets, part.labels),
                                             "hash": pa.array(part.hashes, pa.uint64())}))
+
+    def discard(self) -> None:
+        """Drop the temporary folder (the part was not finished)."""
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass  # its last write hit the full disk; the folder goes anyway
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def close(self, keep: bool) -> None:
         import pyarrow.parquet as pq

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks import disk
 from tasks.log import logger
 from tasks.prepare_data.formats import Segments, fold_system, to_segments
 from tasks.prepare_data.sources import Problems, RawChunk, decode
@@ -66,9 +67,7 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
     facts = _DESCRIBED[memo]
     if saved is not None and not saved.is_file():
         saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(facts))
-        os.replace(tmp, saved)
+        disk.write_whole(saved, json.dumps(facts))  # a full disk leaves no temp file (the stage says so)
     settings = Settings(str(tokenizer_dir), fmt, column_mapping, completion_only, max_len, chat_template,
                         prefix=[] if fmt == "chat" else facts["prefix"], eos=facts["eos"],
                         eos_text=facts["eos_text"], backend_json=facts["backend_json"])

@@ -14,11 +14,16 @@ ranking is the sweep's comparison artifact and runs_dir/sweeps/<key>/.
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tasks import disk
 from tasks.config import TrackArgs
 from tasks.tracking import PipelineRun, Ref, SweepRun
 
@@ -54,14 +59,44 @@ def finish(track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
     where = {"log_dir": str(folder)}
     if any(folder.glob(f"{EVENTS}.{run.key}")):
         return {**where, "logged": "by an earlier run"}
-    if not any(folder.glob(EVENTS)):  # the training was not tracked: its logged steps from loss.jsonl
-        with SummaryWriter(str(folder)) as writer:
-            for entry in run.loss_log():
-                for name, value in entry.items():
-                    if name != "step":
-                        writer.add_scalar(f"train/{name}", value, entry["step"])
-    step = train.metrics.optimizer_steps
-    with SummaryWriter(str(folder), filename_suffix=f".{run.key}") as writer:
+    with _whole(folder, run.config.runs_dir, run.key) as tmp:
+        if not any(folder.glob(EVENTS)):  # the training was not tracked: its logged steps from loss.jsonl
+            _backfill(tmp, run, SummaryWriter)
+        _result(tmp, run, SummaryWriter)
+    return {**where, "logged": "now"}
+
+
+@contextmanager
+def _whole(folder: Path, runs_dir: Path, key: str) -> Iterator[Path]:
+    """A temporary folder beside `folder` to write event files into; moved into `folder` only when whole, the
+    result's file (the `.<key>` one, which says "logged already") last, so a full disk leaves no half file there."""
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    left = (f"the event files are written beside {folder} and moved in only when whole, the one named after the "
+            "result, which says it is logged, last")
+    try:
+        with disk.writing("tracking (TensorBoard)", runs_dir, folder.parent, left, "the run's TensorBoard events"):
+            tmp.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            folder.mkdir(parents=True, exist_ok=True)
+            for event in sorted(tmp.iterdir(), key=lambda p: p.name.endswith(f".{key}")):
+                os.replace(event, folder / event.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _backfill(folder: Path, run: PipelineRun, writer_class: Any) -> None:
+    """An untracked training's logged steps, from its loss.jsonl."""
+    with writer_class(str(folder)) as writer:
+        for entry in run.loss_log():
+            for name, value in entry.items():
+                if name != "step":
+                    writer.add_scalar(f"train/{name}", value, entry["step"])
+
+
+def _result(folder: Path, run: PipelineRun, writer_class: Any) -> None:
+    """The result's eval metrics, verdict and config, at the training's last step."""
+    step = run.manifests["train_adapter"].metrics.optimizer_steps
+    with writer_class(str(folder), filename_suffix=f".{run.key}") as writer:
         for name, value in run.metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 writer.add_scalar(f"eval/{name}", value, step)
@@ -72,7 +107,6 @@ def finish(track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
         writer.add_text("qlora/config", "```\n" + yaml.safe_dump(run.config.model_dump(mode="json")) + "```", step)
         if run.flow_run:
             writer.add_text("qlora/flow_run", " ".join(run.flow_run.values()), step)
-    return {**where, "logged": "now"}
 
 
 def open_sweep(track: TrackArgs, runs_dir: Path, key: str, tags: dict[str, str]) -> TrackArgs:

@@ -8,12 +8,12 @@ the previous complete one resumes instead (the Trainer keeps two, save_total_lim
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from tasks import disk
 from tasks.log import logger
 from tasks.manifest import file_sha256
 
@@ -24,9 +24,7 @@ def write_marker(folder: Path, step: int) -> None:
     """Mark a saved checkpoint complete, recording each of its files' size and sha256."""
     files = {str(p.relative_to(folder)): [p.stat().st_size, file_sha256(p)]
              for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith((COMPLETE, f".{COMPLETE}"))}
-    tmp = folder / f".{COMPLETE}.tmp"
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "files": files}))
-    os.replace(tmp, folder / COMPLETE)
+    disk.write_whole(folder / COMPLETE, json.dumps({"step": step, "time": time.time(), "files": files}))
 
 
 def damage(folder: Path) -> str | None:

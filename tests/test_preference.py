@@ -334,3 +334,17 @@ def test_padding_free_batches_compute_trls_padded_loss_rewards_and_gradients(pai
                         param -= 3.0 * gradients[name]
     # measured after the step: policy and reference differ, so the rewards compared above were not all zero
     assert any(abs(v) > 1e-6 for k, v in metrics.items() if k.startswith("rewards/") and "accurac" not in k)
+
+
+def test_dpo_applies_mlp_only_recomputation(pairs: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                            ) -> None:
+    """speed.recompute_mlp_layers reaches a DPO run's layers as it does SFT's (the plan's fields by name)."""
+    from tasks.train_adapter.stage import train_adapter
+
+    sets = {**FAST, "train.max_steps": 2, "speed.recompute_layers": 1, "speed.recompute_mlp_layers": 1}
+    config = load_config(None, [f"{k}={v}" for k, v in sets.items()] + ["train.method=dpo"])
+    with caplog.at_level("INFO"):
+        adapter = train_adapter.fn(config.lora, config.train, config.speed, tmp_path / "runs", pairs["data"],
+                                   pairs["model"])
+    assert _metrics(adapter)["optimizer_steps"] == 2
+    assert "(dpo): decoder layers 1-1 recompute only their MLP" in caplog.text

@@ -168,7 +168,7 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
 
     from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
     from tasks.train_adapter.memory_plan import model_dims
-    from tasks.train_adapter.mlp import decoder_layers
+    from tasks.train_adapter.mlp import decoder_layers, recompute_mlps
 
     model = trainer.model
     base = model.get_base_model()
@@ -182,6 +182,7 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
                       "there)", train.method, memory.describe())
         recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
                                               memory.offload_embeddings, memory.tokens)
+        mlp_only, chunks = memory.recompute_mlp_layers, memory.mlp_chunks()
     else:
         layers = len(decoder_layers(base)) or model_dims(base.config).layers
         recompute = 0 if not train.gradient_checkpointing else (
@@ -190,8 +191,14 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
                                        else torch.cuda.is_available() and not plan.several_processes())
         wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
         tokens = speed.max_tokens_per_batch
+        mlp_only = min(speed.recompute_mlp_layers or 0, layers - recompute) if train.gradient_checkpointing else 0
+        chunks = None
     embeddings = bool(wanted) and offload_embeddings(model)
     enable_checkpointing(base, offload, recompute)
+    mlp_only = recompute_mlps(base, recompute, mlp_only, chunks)
+    if mlp_only and memory is None:  # the plan's log line names the modes it chose
+        logger().info("train_adapter (%s): decoder layers %d-%d recompute only their MLP (speed.recompute_mlp_layers)",
+                      train.method, recompute, recompute + mlp_only - 1)
     if recompute:
         _keep_checkpoint_function(base, offload, recompute)
     groups = None
@@ -199,9 +206,10 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
         trainer.train_dataset = _PairGroups(dataset, lengths, tokens,
                                             None if tokens else train.per_device_train_batch_size, train.seed)
         groups = len(trainer.train_dataset)
-    return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups, False,
-                             recompute if train.gradient_checkpointing or recompute else None,
-                             memory.as_dict() if memory is not None else None)
+    return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups,
+                             recompute_layers=recompute if train.gradient_checkpointing or recompute else None,
+                             recompute_mlp_layers=mlp_only,
+                             memory_plan=memory.as_dict() if memory is not None else None)
 
 
 def _lengths(dataset: Any, method: str) -> list[int]:

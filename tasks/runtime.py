@@ -235,7 +235,9 @@ def dequantize_decision(model: Any, choice: bool | str) -> tuple[bool, str]:
 def dequantize_in_place(model: Any) -> Any:
     """Replace every bnb 4-bit Linear by a plain Linear holding its weight dequantized to the layer's compute dtype,
     one layer at a time (peak: the 4-bit model plus one layer). A 4-bit layer computes exactly this: it dequantizes
-    the same NF4 weight to the compute dtype and runs the same matmul, on every forward."""
+    the same NF4 weight to the compute dtype and runs the same matmul, on every forward. Not transformers'
+    model.dequantize() (which export_adapter's merge uses): that one dequantizes each weight twice, casts to the
+    config's dtype rather than each layer's compute dtype, and cannot tell a weight bnb repacked for its CPU kernel."""
     import bitsandbytes as bnb
     import torch
 

@@ -314,7 +314,7 @@ def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) ->
 
 
 def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, Any]) -> None:
-    from tasks.evaluate_adapter.generation import greedy_generate
+    from tasks.evaluate_adapter.generation import by_length, generation_tokens, greedy_generate
     from tasks.evaluate_adapter.stage import mean_loss
     from tasks.runtime import dequantize_in_place, load_quantized
 
@@ -327,3 +327,8 @@ def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, 
     assert tokens == alone[1] and abs(loss - alone[0]) < 1e-6 * alone[0]
     batched = greedy_generate(model, prompts, 8, 12, 0, eos)
     assert batched == [greedy_generate(model, [p], 1, 12, 0, eos)[0] for p in prompts]
+    # the stage's token budget: no more memory than the largest loss batch holds in logits, one batch here
+    budget = generation_tokens(model, max(b["input_ids"].numel() for b in sorted_batches))
+    assert len(by_length([len(p) + 12 for p in prompts], 8, budget)) == 1 < len(by_length(
+        [len(p) + 12 for p in prompts], 1))
+    assert greedy_generate(model, prompts, 8, 12, 0, eos, budget) == batched

@@ -35,7 +35,8 @@ from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
-from tasks.evaluate_adapter.generation import by_length, exact_match, greedy_generate, rouge_l, score, split_prompt
+from tasks.evaluate_adapter.generation import (by_length, exact_match, generation_tokens, greedy_generate, rouge_l,
+                                               score, split_prompt)
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.limits import cpu_share
 from tasks.log import logger
@@ -177,8 +178,10 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
                   args.max_new_tokens)
     start = time.perf_counter()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    # the largest loss batch's memory bounds a generation batch (generation_tokens)
+    tokens = generation_tokens(model, max(b["input_ids"].numel() for b in batches)) if batches else None
     answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
-                              tokenizer.pad_token_id, eos)
+                              tokenizer.pad_token_id, eos, tokens)
     if prompts:
         logger().info("evaluate_adapter: %s model: %d answers generated (%.1fs)", label, len(answers),
                       time.perf_counter() - start)
@@ -267,8 +270,13 @@ def mean_loss(model: Any, batches: list[dict[str, Any]]) -> tuple[float, int]:
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # counted on the host's copies
+    first = time.perf_counter()
     with torch.no_grad():
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            if index == 1 and device.type == "cuda":  # one-time costs (a kernel's first use) show in the log
+                torch.cuda.synchronize()
+                if time.perf_counter() - first > 1:
+                    logger().info("evaluate_adapter: the first loss batch took %.1fs", time.perf_counter() - first)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             targets = batch["labels"][:, 1:]

@@ -641,8 +641,8 @@ def plan_fields(run: dict[str, Any]) -> dict[str, Any]:
         return {}
     peak = run.get("peak_allocated_gib")
     return {"budget_gib": plan["budget_gib"], "predicted_peak_gib": plan["predicted_peak_gib"],
-            "plan": {k: plan.get(k) for k in ("tokens", "recompute_layers", "recompute_mlp_layers", "offload_layers",
-                                              "chunk_recomputed", "offload_activations", "offload_embeddings")},
+            "plan": {k: plan.get(k) for k in ("tokens", "recompute_layers", "recompute_mlp_layers", "chunk_recomputed",
+                                              "offload_activations", "offload_embeddings")},
             "relative_time": plan.get("relative_time"),
             "prediction_error": round(plan["predicted_peak_gib"] / peak - 1, 3) if peak else None}
 

@@ -60,7 +60,6 @@ _TITLES = {
     "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
     "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
     "recompute_layers": "Recomputed layers", "recompute_mlp_layers": "MLP-recomputed layers",
-    "offload_layers": "Offloaded layers",
 }
 _WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
           "fp32": "fp32", "bf16": "bf16"}
@@ -317,23 +316,15 @@ class SpeedArgs(_Section):
         "less 1 GiB for other processes.",
     )
     recompute_layers: int | None = Field(
-        None, ge=0, description="Decoder layers (the first ones, the offloaded layers spread among them) that "
-        "recompute all their activations in the backward pass instead of keeping them (activation checkpointing; the "
-        "rest keep theirs). None: on a GPU with packing, as few as the memory budget allows; elsewhere every layer "
-        "not offloaded while train.gradient_checkpointing is on.",
+        None, ge=0, description="Decoder layers (the first ones) that recompute all their activations in the backward "
+        "pass instead of keeping them (activation checkpointing; the rest keep theirs). None: on a GPU with packing, "
+        "as few as the memory budget allows; elsewhere every layer while train.gradient_checkpointing is on.",
     )
     recompute_mlp_layers: int | None = Field(
         None, ge=0, description="Decoder layers, after the recompute_layers ones, that recompute only their MLP's "
         "activations in the backward pass (selective recomputation: attention keeps its own; for Llama-3.1-8B the MLP "
         "holds two thirds of a layer's activations and does four fifths of its matmul FLOPs). A family whose layers "
         "have no .mlp steps aside (logged). None: on a GPU with packing, the memory plan chooses; elsewhere 0.",
-    )
-    offload_layers: int | None = Field(
-        None, ge=0, description="Decoder layers, spread evenly over the model, that keep their activations in pinned "
-        "host memory instead of recomputing them: copied out on a side stream while the layers above compute, and "
-        "back ahead of their backward pass (the host link's speed bounds how many pay: 7 of Llama-3.1-8B's 32 on an "
-        "H200). Single-process runs only. None: on a GPU with packing, the memory plan chooses (0 when "
-        "recompute_layers is pinned); elsewhere 0.",
     )
     offload_activations: bool | None = Field(
         None, description="Keep the recomputed layers' inputs in pinned CPU memory, copied on a side stream (2 "

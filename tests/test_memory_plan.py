@@ -81,39 +81,6 @@ def test_sixteen_gib_gets_a_plan_predicted_faster_than_the_one_measured_at_11372
     assert all(chunk == 0 for chunk in plan.mlp_chunks()[plan.recompute_layers + plan.recompute_mlp_layers:])
 
 
-def test_sixteen_gib_offloads_as_many_layers_as_the_host_link_carries_instead_of_recomputing_them() -> None:
-    """At 16 GiB the plan keeps some layers' activations in host memory: at most what the link carries in a forward
-    pass (link_layers: 7 of 32 for 8B on an H200's 51 GiB/s), spread over the model, and the plan is predicted faster
-    than the best without them; with the host's memory too small for one layer's copies it offloads none."""
-    from tasks.train_adapter.memory_plan import HOST, link_layers
-
-    choices = Choices(longest_example=2048, mlp_chunk=16384)
-    plan = choose_plan(LLAMA8, FIXED8, 16.0, choices)
-    without = choose_plan(LLAMA8, FIXED8, 16.0, Choices(longest_example=2048, mlp_chunk=16384, offload_layers=0))
-    assert 0 < plan.offload_layers <= link_layers(LLAMA8) == 7
-    assert plan.relative_time < without.relative_time and plan.predicted_peak_gib <= 16 * 0.95
-    where = [i for i, mode in enumerate(plan.modes()) if mode == HOST]
-    assert min(b - a for a, b in zip(where, where[1:], strict=False)) >= 32 // (plan.offload_layers + 1)
-    small_host = Fixed(FIXED8.allocated, FIXED8.trainable_parameters, TABLE, TABLE, host_bytes=GIB)
-    assert choose_plan(LLAMA8, small_host, 16.0, choices).offload_layers == 0
-    assert "keep their activations in host memory (layers " in plan.describe()
-
-
-@pytest.mark.parametrize("layers,whole,mlp_only,offloaded", [(32, 25, 0, 7), (32, 20, 3, 6), (4, 0, 0, 4), (5, 1, 1, 2),
-                                                            (80, 45, 0, 35)])
-def test_layer_modes_spread_the_offloaded_layers_and_keep_the_counts(layers: int, whole: int, mlp_only: int,
-                                                                      offloaded: int) -> None:
-    from tasks.train_adapter.memory_plan import HOST, KEPT, MLP, WHOLE, layer_modes
-
-    modes = layer_modes(layers, whole, mlp_only, offloaded)
-    assert len(modes) == layers and [modes.count(m) for m in (WHOLE, MLP, HOST)] == [whole, mlp_only, offloaded]
-    assert modes.count(KEPT) == layers - whole - mlp_only - offloaded
-    rest = [m for m in modes if m != HOST]  # the others keep their order: whole, then MLP-only, then kept
-    assert rest == sorted(rest, key=[WHOLE, MLP, KEPT].index)
-    where = [i for i, m in enumerate(modes) if m == HOST]
-    assert all(b - a >= layers // (offloaded + 1) for a, b in zip(where, where[1:], strict=False))
-
-
 def test_the_whole_card_buys_no_recomputation_and_large_packs() -> None:
     plan = choose_plan(LLAMA8, FIXED8, 139.8 - 1, Choices(longest_example=2048, mlp_chunk=16384))
     assert (plan.recompute_layers, plan.recompute_mlp_layers, plan.offload_embeddings) == (0, 0, False)
@@ -151,8 +118,6 @@ def test_pinned_settings_narrow_the_plan_instead_of_being_overridden() -> None:
     assert mlp.mlp_chunks() == [0] * 32  # 16,384 tokens: no chunk needed
     assert "20 of 32 layers recompute whole" in mlp.describe() and "8 recompute only their MLP" in mlp.describe()
     assert choose_plan(LLAMA8, FIXED8, 138.0, Choices(longest_example=40000)).tokens == 40000  # holds the longest
-    host = choose_plan(LLAMA8, FIXED8, 16.0, Choices(tokens=8192, recompute_layers=20, offload_layers=3))
-    assert (host.recompute_layers, host.offload_layers) == (20, 3)
 
 
 def _tiny() -> Any:
@@ -210,32 +175,24 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
     assert (chosen.recompute_layers, chosen.recompute_mlp_layers, chosen.tokens) == (0, 0, 32768)
 
 
-# (whole-recomputed layers, MLP-only layers, offloaded layers) of the tiny model's 4: none, MLP-only everywhere, three
-# modes (the whole layer's input offloaded), every layer whole, all four modes, every layer offloaded
-MODES = [(0, 0, 0), (0, 4, 0), (1, 2, 0), (4, 0, 0), (1, 1, 1), (0, 0, 4)]
+# (whole-recomputed layers, MLP-only layers) of the tiny model's 4: none, MLP-only everywhere, all three modes
+# (the whole layer's input offloaded), every layer whole
+MODES = [(0, 0), (0, 4), (1, 2), (4, 0)]
 
 
 @pytest.mark.parametrize("levers", [False, True], ids=["plain", "chunks+fused-lora"])
-def test_recomputing_only_the_mlp_gives_the_loss_and_gradients_of_no_and_of_full_recomputation(
-        levers: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through train_adapter's own path (prepare_base, prepare_peft, training_batches with the modes pinned): every
-    mix of the four modes gives the loss and LoRA gradients of no recomputation, with the MLP in chunks and fused
-    LoRA layers or without; the MLP-only layers really run their MLP twice (forward and recomputation), and the
-    offloaded layers' saved tensors really went through the offloader (on a CPU: copies in host memory)."""
+def test_recomputing_only_the_mlp_gives_the_loss_and_gradients_of_no_and_of_full_recomputation(levers: bool) -> None:
+    """Through train_adapter's own path (prepare_base, prepare_peft, training_batches with the mode pinned): every
+    mix of the three modes gives the loss and LoRA gradients of no recomputation, with the MLP in chunks and fused
+    LoRA layers or without; and the MLP-only layers really run their MLP twice (forward and recomputation)."""
     from peft import LoraConfig, get_peft_model
 
-    from tasks.train_adapter import offload_layers, plan
-    from tasks.train_adapter.memory_plan import HOST, MLP, WHOLE, layer_modes
+    from tasks.train_adapter import plan
 
-    monkeypatch.setattr(offload_layers, "MIN_BYTES", 0)  # the tiny model's activations are a few KB
-    copied: list[int] = []
-    pack = offload_layers.Offloader._pack
-    monkeypatch.setattr(offload_layers.Offloader, "_pack",
-                        lambda self, layer, t: (copied.append(t.numel()), pack(self, layer, t))[1])
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     results = []
-    for whole, mlp_only, host in MODES:
-        speed = SpeedArgs(packing=False, recompute_layers=whole, recompute_mlp_layers=mlp_only, offload_layers=host,
+    for whole, mlp_only in MODES:
+        speed = SpeedArgs(packing=False, recompute_layers=whole, recompute_mlp_layers=mlp_only,
                           offload_activations=bool(whole), offload_embeddings=False,
                           mlp_chunk_tokens=16 if levers else 0, fused_lora=levers)
         base = _tiny()
@@ -244,24 +201,20 @@ def test_recomputing_only_the_mlp_gives_the_loss_and_gradients_of_no_and_of_full
         model = plan.prepare_peft(get_peft_model(base, LoraConfig(
             r=4, target_modules=["q_proj", "up_proj", "down_proj"], init_lora_weights="gaussian")), speed).train()
         chosen = plan.training_batches(model, _Ids(ids), TrainArgs(), speed)[2]
-        assert (chosen.recompute_layers, chosen.recompute_mlp_layers, chosen.offload_layers) == (whole, mlp_only, host)
-        modes = layer_modes(4, whole, mlp_only, host)
+        assert (chosen.recompute_layers, chosen.recompute_mlp_layers) == (whole, mlp_only)
         calls = [0] * 4
         for index, layer in enumerate(base.model.layers):
             layer.mlp.act_fn.register_forward_hook(lambda *_, i=index, c=calls: c.__setitem__(i, c[i] + 1))
-        copied.clear()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        assert bool(copied) == bool(host)
-        if not levers:  # a recomputed MLP (its layer's or its own) runs twice, a kept or offloaded one once
-            assert calls == [2 if mode in (WHOLE, MLP) else 1 for mode in modes]
-            assert modes.count(HOST) == host
+        if not levers:  # a recomputed MLP (its layer's or its own) runs twice, a kept one once
+            assert calls == [2 if i < whole + mlp_only else 1 for i in range(4)]
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
     loss, grads = results[0]
-    for mode, (other_loss, other) in zip(MODES[1:], results[1:], strict=True):
-        assert other_loss == pytest.approx(loss, rel=1e-6), mode
+    for (whole, mlp_only), (other_loss, other) in zip(MODES[1:], results[1:], strict=True):
+        assert other_loss == pytest.approx(loss, rel=1e-6), (whole, mlp_only)
         for name, grad in grads.items():
-            torch.testing.assert_close(other[name], grad, rtol=1e-4, atol=1e-6, msg=f"{mode}: {name}")
+            torch.testing.assert_close(other[name], grad, rtol=1e-4, atol=1e-6, msg=f"{whole}, {mlp_only}: {name}")
 
 
 class _Ids:
@@ -293,7 +246,7 @@ def test_a_family_whose_layers_have_no_mlp_attribute_steps_aside_from_mlp_recomp
         model = OPTForCausalLM(config)
         if forced:
             with caplog.at_level(logging.INFO, logger="qlora_pipeline"):
-                assert recompute_mlps(model, [True, True]) == 0
+                assert recompute_mlps(model, 0, 2) == 0
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert caplog.text.count("MLP-only recomputation steps aside: OPTForCausalLM has no decoder layers") == 1
@@ -317,7 +270,7 @@ def test_the_bisection_over_mlp_only_layers_finds_what_trying_every_layout_finds
 def test_the_plans_mlp_chunks_reach_each_layer() -> None:
     """A plan's per-layer MLP settings, applied: the MLP-only layers recompute (in chunks past the chunk size), the
     kept layer's MLP runs once and whole, and the whole-recomputed layer's MLP runs whole unless the plan chunks it."""
-    from tasks.train_adapter.memory_plan import MLP, MemoryPlan
+    from tasks.train_adapter.memory_plan import MemoryPlan
     from tasks.train_adapter.mlp import CHUNK, RECOMPUTE, recompute_mlps, tile_mlp
 
     plan = MemoryPlan(tokens=48, recompute_layers=1, layers=4, offload_activations=False, offload_embeddings=False,
@@ -326,7 +279,7 @@ def test_the_plans_mlp_chunks_reach_each_layer() -> None:
     assert plan.mlp_chunks() == [0, 16, 16, 0]
     base = _tiny()
     assert tile_mlp(base, 16) == 4  # what prepare_base did: every MLP in chunks
-    assert recompute_mlps(base, [mode == MLP for mode in plan.modes()], plan.mlp_chunks()) == 2
+    assert recompute_mlps(base, plan.recompute_layers, plan.recompute_mlp_layers, plan.mlp_chunks()) == 2
     mlps = [layer.mlp for layer in base.model.layers]
     assert [getattr(m, CHUNK) for m in mlps] == [0, 16, 16, 0]
     assert [getattr(m, RECOMPUTE) for m in mlps] == [False, True, True, False]

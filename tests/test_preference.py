@@ -347,4 +347,4 @@ def test_dpo_applies_mlp_only_recomputation(pairs: dict[str, str], tmp_path: Pat
         adapter = train_adapter.fn(config.lora, config.train, config.speed, tmp_path / "runs", pairs["data"],
                                    pairs["model"])
     assert _metrics(adapter)["optimizer_steps"] == 2
-    assert "(dpo): decoder layers 1 recompute only their MLP" in caplog.text
+    assert "(dpo): decoder layers 1-1 recompute only their MLP" in caplog.text

@@ -10,7 +10,6 @@ each other on a GPU."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tasks.log import logger
@@ -135,19 +134,15 @@ def _call_with_rest(function: Any, rest: list[Any], extras: list[Any], hidden: A
     return out
 
 
-def enable_checkpointing(model: Any, offload: bool, recompute_layers: int | Sequence[bool] | None = None) -> None:
-    """Checkpoint the decoder layers `recompute_layers` names: a count of the first ones (None: all, 0: none) or a
-    flag per layer (the memory plan's, memory_plan.layer_modes). They recompute their activations in the backward
-    pass, the others keep them (or offload them: offload_layers.py). With offload, the checkpointed layers' saved
-    inputs live in pinned CPU memory. The first layers by count, so that the checkpointed ones are neighbours and
-    each fetches the input of the one below ahead of time (one whose neighbour below is not checkpointed fetches
-    its own at the start of its backward pass)."""
+def enable_checkpointing(model: Any, offload: bool, recompute_layers: int | None = None) -> None:
+    """Checkpoint the first `recompute_layers` decoder layers (None: all, 0: none): they recompute their
+    activations in the backward pass, the others keep them. With offload, the checkpointed layers' saved inputs
+    live in pinned CPU memory. The first layers, so that the checkpointed ones are neighbours and each fetches
+    the input of the one below ahead of time."""
     import torch.utils.checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    flags = checkpoint_flags(len(layers), recompute_layers)
-    if not any(flags):
+    if recompute_layers == 0:
         if getattr(model, "is_activation_checkpointing", False):  # an earlier Trainer on the same model enabled it
             model._set_gradient_checkpointing(enable=False)
         return
@@ -156,18 +151,10 @@ def enable_checkpointing(model: Any, offload: bool, recompute_layers: int | Sequ
     else:
         func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
-    for layer, flag in zip(layers, flags, strict=True):
-        layer.gradient_checkpointing = flag
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = recompute_layers is None or index < recompute_layers
     model.enable_input_require_grads()  # frozen embeddings: the first layer's input must carry a gradient
-
-
-def checkpoint_flags(layers: int, recompute_layers: int | Sequence[bool] | None) -> list[bool]:
-    """Whether each of `layers` decoder layers recomputes: None all, a count the first ones, flags as they are."""
-    if recompute_layers is None:
-        return [True] * layers
-    if isinstance(recompute_layers, int):
-        return [index < recompute_layers for index in range(layers)]
-    return [bool(flag) for flag in recompute_layers][:layers] + [False] * (layers - len(recompute_layers))
 
 
 def offload_embeddings(model: Any) -> bool:

@@ -54,8 +54,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from tasks.train_adapter.offload_layers import IN_FLIGHT
-
 GIB = 2**30
 # refitted to bench/results/2026-12-02-h200-issue24-run2.json (8B, H200, one session): nothing recomputed, 13,854
 # real tokens/s at 8,192-token packs and 15,021 at 16,384 give HOST_TOKENS 1,506; with it the three runs that
@@ -67,15 +65,6 @@ OFFLOAD_EMBEDDINGS_TOKENS = 480  # per micro-step: the output layer's copy to th
 TRAINABLE_BYTES = 16  # per trainable parameter: fp32 gradient, AdamW's two fp32 moments, the bf16 cast of the weight
 LOSS_ROWS = 512  # the fused loss's largest chunk of rows: its fp32 logits (rows x vocabulary) exist at once
 ALLOCATOR_SLACK = 0.05  # share of the budget kept free for fragmentation: the plan fits 95% of it
-# offloaded layers (offload_layers.py): the host link's speed and the forward pass's matmul rate, both measured on
-# one H200 on 2026-12-02 (bench/probe_host_link.py: 51.3 GiB/s each way, 45.4 both at once; a bf16 product's
-# 693-800 TFLOP/s): an offloaded layer's activations must leave while the layers above it compute their forward
-# pass, so the link carries one such layer per LINK forward passes of a layer (4.5 for 8B). The two rates scale
-# together across cards more than either alone; a pinned speed.offload_layers overrides the plan.
-LINK_BYTES_PER_S = 55e9
-FORWARD_FLOPS = 700e12
-OFFLOAD_LAYER_COST = 0.01  # per offloaded share of the layers: the hooks' host work, the waits on copies
-HOST_MEMORY_SHARE = 0.5  # of the host's available memory: what the offloaded layers' pinned copies may take
 PACK_SIZES = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # candidate tokens per micro-batch
 
 
@@ -125,7 +114,6 @@ class Layout(NamedTuple):
     offload_embeddings: bool  # the frozen embedding table (and output layer, where the fused loss runs) on the host
     recompute_mlp_layers: int = 0  # the next this many recompute only their MLP's; the rest keep everything
     chunk_recomputed: bool = False  # whole-recomputed layers run their MLP in chunks (packs past the chunk only)
-    offload_layers: int = 0  # layers that keep their activations in host memory, spread among the recomputed ones
 
 
 @dataclass(frozen=True)
@@ -143,11 +131,10 @@ class MemoryPlan:
     recompute_mlp_layers: int = 0  # the next this many recompute only their MLP (attention keeps its activations)
     chunk_recomputed: bool = False  # the whole-recomputed layers' MLP runs in speed.mlp_chunk_tokens chunks
     mlp_chunk: int = 0  # speed.mlp_chunk_tokens when the plan was made (MLP-only layers always chunk past it)
-    offload_layers: int = 0  # layers that keep their activations in pinned host memory (offload_layers.py)
 
     def describe(self) -> str:
         """One line for the log: what was chosen and the predicted peak."""
-        kept = self.layers - self.recompute_layers - self.recompute_mlp_layers - self.offload_layers
+        kept = self.layers - self.recompute_layers - self.recompute_mlp_layers
         where = "host" if self.offload_activations else "GPU"
         parts = []
         if self.recompute_layers:
@@ -156,49 +143,21 @@ class MemoryPlan:
                          f"{chunks})")
         if self.recompute_mlp_layers:
             parts.append(f"{self.recompute_mlp_layers} recompute only their MLP")
-        if self.offload_layers:
-            parts.append(f"{self.offload_layers} keep their activations in host memory (layers "
-                         f"{', '.join(str(i) for i, m in enumerate(self.modes()) if m == HOST)})")
         parts.append(f"{kept} keep their activations" if kept < self.layers else
                      f"all {self.layers} layers keep their activations (no recomputation)")
         return (f"memory plan: packs of {self.tokens:,} tokens, {', '.join(parts)}, embeddings and output layer on "
                 f"the {'host' if self.offload_embeddings else 'GPU'}; predicted peak {self.predicted_peak_gib:.2f} "
                 f"GiB of the {self.budget_gib:.2f} GiB budget")
 
-    def modes(self) -> list[str]:
-        """Each decoder layer's mode, from the first up (layer_modes)."""
-        return layer_modes(self.layers, self.recompute_layers, self.recompute_mlp_layers, self.offload_layers)
-
     def mlp_chunks(self) -> list[int]:
-        """Each decoder layer's MLP chunk (0: never): the plan chunks only recomputed MLPs, kept and offloaded
-        layers run whole."""
-        chunk = {WHOLE: self.mlp_chunk if self.chunk_recomputed else 0, MLP: self.mlp_chunk}
-        return [chunk.get(mode, 0) for mode in self.modes()]
+        """Each decoder layer's MLP chunk (0: never): the plan chunks only recomputed MLPs, kept layers run whole."""
+        whole = self.mlp_chunk if self.chunk_recomputed else 0
+        mlp_only = self.recompute_layers + self.recompute_mlp_layers
+        return [whole if i < self.recompute_layers else self.mlp_chunk if i < mlp_only else 0
+                for i in range(self.layers)]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-WHOLE, MLP, HOST, KEPT = "whole", "mlp", "host", "kept"  # a decoder layer's mode
-
-
-def layer_modes(layers: int, whole: int, mlp_only: int, offloaded: int) -> list[str]:
-    """Each decoder layer's mode, from the first up: the offloaded layers spread evenly over all layers, so that each
-    one's copy to the host runs while the layers between compute (offload_layers.py); in the other places, from the
-    first up, the whole-recomputed layers, the MLP-only ones, then the kept ones (the docstring above says why)."""
-    offloaded = min(offloaded, layers)
-    host = {(j + 1) * layers // (offloaded + 1) for j in range(offloaded)}  # distinct: the step is at least 1
-    rest = iter([WHOLE] * whole + [MLP] * mlp_only)
-    return [HOST if i in host else next(rest, KEPT) for i in range(layers)]
-
-
-def link_layers(dims: Dims) -> int:
-    """How many layers the host link can offload in one forward pass: a layer's forward time against the time its
-    activations take to leave, both per token (FORWARD_FLOPS, LINK_BYTES_PER_S)."""
-    h, i, kv = dims.hidden, dims.intermediate, dims.kv or dims.hidden
-    forward = 2 * (h * (2 * h + 2 * kv) + 3 * h * i) / FORWARD_FLOPS
-    copy = 2 * (8 * h + 2 * kv + 3 * i) / LINK_BYTES_PER_S
-    return min(dims.layers, int(dims.layers * forward / copy))
 
 
 @dataclass(frozen=True)
@@ -209,7 +168,6 @@ class Fixed:
     trainable_parameters: int
     embedding_bytes: int  # the input embedding table, if it is on the GPU and can move to the host (else 0)
     output_layer_bytes: int  # the same for the output layer
-    host_bytes: int = 1 << 62  # host memory the offloaded layers' pinned copies may take (HOST_MEMORY_SHARE)
 
 
 @dataclass(frozen=True)
@@ -223,7 +181,6 @@ class Choices:
     longest_example: int = 1
     mlp_chunk: int = 0  # speed.mlp_chunk_tokens (0: never)
     recompute_mlp_layers: int | None = None
-    offload_layers: int | None = None
 
 
 def mlp_share(dims: Dims) -> float:
@@ -242,20 +199,17 @@ def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0)
     h, i, kv = dims.hidden, dims.intermediate, dims.kv or dims.hidden
     tokens, whole, mlp_only = layout.tokens, layout.recompute_layers, layout.recompute_mlp_layers
     chunk = mlp_chunk if mlp_chunk and tokens > mlp_chunk else tokens
-    kept = dims.layers - whole - mlp_only - layout.offload_layers
+    kept = dims.layers - whole - mlp_only
     kept_layer = tokens * 2 * (8 * h + 2 * kv + 3 * i)
     mlp_layer = tokens * 2 * (8 * h + 2 * kv)  # attention's activations, the MLP's input and output
-    # offloaded layers: at most IN_FLIGHT of them on the GPU at any time, leaving (forward) or fetched ahead and in
-    # use (backward), whichever layer's backward runs then (they sit between the others)
-    host = min(layout.offload_layers, IN_FLIGHT) * kept_layer
-    held = kept * kept_layer + mlp_only * mlp_layer + host
+    held = kept * kept_layer + mlp_only * mlp_layer
     ends = [held + (fixed.output_layer_bytes if layout.offload_embeddings else 0)]  # the loss's copy of the head
     if kept:  # the top kept layer's backward holds about half a layer's activations more while it runs
         ends.append(held + kept_layer / 2)
     if mlp_only:  # the top MLP-only layer's: half a layer and its MLP's rebuilt activations
-        ends.append(mlp_only * mlp_layer + mlp_layer / 2 + 2 * 3 * i * chunk + host)
+        ends.append(mlp_only * mlp_layer + mlp_layer / 2 + 2 * 3 * i * chunk)
     if whole:  # a whole-recomputed layer's backward rebuilds it
-        ends.append(2 * (14 * h * tokens + 3 * i * (chunk if layout.chunk_recomputed else tokens)) + host)
+        ends.append(2 * (14 * h * tokens + 3 * i * (chunk if layout.chunk_recomputed else tokens)))
     saved = 0 if layout.offload_activations else whole * tokens * 2 * h
     offloaded = fixed.embedding_bytes + fixed.output_layer_bytes if layout.offload_embeddings else 0
     state = TRAINABLE_BYTES * fixed.trainable_parameters + 4 * LOSS_ROWS * dims.vocab
@@ -272,46 +226,36 @@ def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0) -> float:
         time += OFFLOAD_ACTIVATIONS_COST * layout.recompute_layers / dims.layers
     if layout.offload_embeddings:
         time += OFFLOAD_EMBEDDINGS_TOKENS / layout.tokens
-    return time + OFFLOAD_LAYER_COST * layout.offload_layers / dims.layers
+    return time
 
 
-def candidates(dims: Dims, choices: Choices, host_bytes: int = 1 << 62) -> Iterator[tuple[Layout, Sequence[int]]]:
+def candidates(dims: Dims, choices: Choices) -> Iterator[tuple[Layout, Sequence[int]]]:
     """The layouts the settings allow, in groups that differ only in their MLP-only layers: each group's layout
     and the numbers of MLP-only layers it allows, fewest (the fastest: each one more trades a kept layer for a
-    recomputed MLP) first. Offloaded layers: at most what the host link carries (link_layers) and what `host_bytes`
-    of host memory holds."""
+    recomputed MLP) first."""
     sizes = [choices.tokens] if choices.tokens else sorted({max(s, choices.longest_example) for s in PACK_SIZES})
     wholes = [choices.recompute_layers] if choices.recompute_layers is not None else range(dims.layers + 1)
     acts = [choices.offload_activations] if choices.offload_activations is not None else [False, True]
     embs = [choices.offload_embeddings] if choices.offload_embeddings is not None else [False, True]
-    # an offloaded layer's pinned copies per token: torch's pinned-memory cache rounds each block up to a power of
-    # two, so up to twice the activations
-    kept_bytes = 2 * 2 * (8 * dims.hidden + 2 * (dims.kv or dims.hidden) + 3 * dims.intermediate)
     for tokens in sizes:
-        hosts = ([choices.offload_layers] if choices.offload_layers is not None else
-                 range(min(link_layers(dims), host_bytes // (kept_bytes * tokens)) + 1))
         for whole in wholes:
             whole = min(whole, dims.layers)
+            mlps = ([min(choices.recompute_mlp_layers, dims.layers - whole)]
+                    if choices.recompute_mlp_layers is not None else range(dims.layers - whole + 1))
             chunkings = [False, True] if whole and choices.mlp_chunk and tokens > choices.mlp_chunk else [False]
-            # pinned MLP-only layers stay MLP-only: offloaded layers take the places left
-            room = dims.layers - whole - min(choices.recompute_mlp_layers or 0, dims.layers - whole)
-            for host in sorted({min(host, room) for host in hosts}):
-                free = dims.layers - whole - host
-                mlps = ([min(choices.recompute_mlp_layers, free)] if choices.recompute_mlp_layers is not None
-                        else range(free + 1))
-                for act in acts:
-                    if act and not whole:
-                        continue  # nothing is saved to offload
-                    for emb in embs:
-                        for chunked in chunkings:
-                            yield Layout(tokens, whole, act, emb, 0, chunked, host), mlps
+            for act in acts:
+                if act and not whole:
+                    continue  # nothing is saved to offload
+                for emb in embs:
+                    for chunked in chunkings:
+                        yield Layout(tokens, whole, act, emb, 0, chunked), mlps
 
 
 def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -> MemoryPlan | None:
     """The fastest predicted plan whose peak fits (1 - ALLOCATOR_SLACK) of the budget; None if none does."""
     room = budget_gib * GIB * (1 - ALLOCATOR_SLACK)
     best: tuple[float, int, Layout] | None = None
-    for group, mlps in candidates(dims, choices, fixed.host_bytes):
+    for group, mlps in candidates(dims, choices):
         # within a group the peak never grows with the MLP-only layers (each replaces a kept layer, whose backward
         # needs more than the MLP's rebuilt activations) and the time grows: the first that fits is the fastest,
         # found by bisection (every layout, one by one, takes seconds for 80 layers)
@@ -329,11 +273,11 @@ def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -
     time, peak, layout = best
     return MemoryPlan(layout.tokens, layout.recompute_layers, dims.layers, layout.offload_activations,
                       layout.offload_embeddings, round(peak / GIB, 2), round(budget_gib, 2), round(time, 4),
-                      layout.recompute_mlp_layers, layout.chunk_recomputed, choices.mlp_chunk, layout.offload_layers)
+                      layout.recompute_mlp_layers, layout.chunk_recomputed, choices.mlp_chunk)
 
 
 def smallest_peak_gib(dims: Dims, fixed: Fixed, choices: Choices) -> float:
     """The least memory any plan the settings allow needs (for the message when none fits): each group's last."""
     peaks = (predicted_peak(dims, fixed, group._replace(recompute_mlp_layers=mlps[-1]), choices.mlp_chunk)
-             for group, mlps in candidates(dims, choices, fixed.host_bytes))
+             for group, mlps in candidates(dims, choices))
     return min(peaks) / GIB / (1 - ALLOCATOR_SLACK)

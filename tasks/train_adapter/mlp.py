@@ -38,20 +38,20 @@ def tile_mlp(model: Any, chunk: int) -> int:
     return len(layers)
 
 
-def recompute_mlps(model: Any, flags: list[bool], chunks: list[int] | None = None) -> int:
-    """The decoder layers whose flag is set recompute their MLP's activations in the backward pass (the rest of
-    each layer keeps its own); the others do not (their whole layer may, see checkpointing.py). `chunks` (one per
-    layer, where the memory plan chose) sets each layer's MLP chunk; None leaves tile_mlp's. Returns how many MLPs
-    recompute; a family whose decoder layers have no `.mlp` steps aside with one log line."""
+def recompute_mlps(model: Any, first: int, count: int, chunks: list[int] | None = None) -> int:
+    """Decoder layers first .. first + count - 1 recompute their MLP's activations in the backward pass (the
+    rest of each layer keeps its own); the others do not (their whole layer may, see checkpointing.py). `chunks`
+    (one per layer, where the memory plan chose) sets each layer's MLP chunk; None leaves tile_mlp's. Returns how
+    many MLPs recompute; a family whose decoder layers have no `.mlp` steps aside with one log line."""
     layers = decoder_layers(model)
     if not layers:
-        if any(flags):
+        if count:
             logger().info("train_adapter: MLP-only recomputation steps aside: %s has no decoder layers with an "
                           ".mlp; those layers keep their activations", type(model).__name__)
         return 0
     recomputed = 0
     for index, layer in enumerate(layers):
-        wanted = index < len(flags) and bool(flags[index])
+        wanted = first <= index < first + count
         chunk = chunks[index] if chunks is not None and index < len(chunks) else None
         if wanted or chunk or hasattr(layer.mlp, UNWRAPPED):
             _wrap(layer.mlp)

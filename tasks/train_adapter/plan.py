@@ -9,7 +9,7 @@ so the CPU tests cover it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from tasks.config import PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedArgs, TrainArgs
 from tasks.errors import UserError
@@ -24,22 +24,8 @@ from tasks.train_adapter.loss import (
     output_layer_offload_unsupported,
     use_fused_loss,
 )
-from tasks.train_adapter.memory_plan import (
-    GIB,
-    HOST,
-    HOST_MEMORY_SHARE,
-    MLP,
-    WHOLE,
-    Choices,
-    Fixed,
-    MemoryPlan,
-    choose_plan,
-    layer_modes,
-    model_dims,
-    smallest_peak_gib,
-)
+from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, model_dims, smallest_peak_gib
 from tasks.train_adapter.mlp import decoder_layers, recompute_mlps, tile_mlp
-from tasks.train_adapter.offload_layers import offload_layers
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes
 
@@ -56,7 +42,6 @@ class MicroBatches:
     offload_output_layer: bool = False  # the frozen output layer in host memory (with offload_embeddings)
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
     recompute_mlp_layers: int = 0  # the next decoder layers, which recompute only their MLP
-    offload_layers: int = 0  # decoder layers that keep their activations in host memory (offload_layers.py)
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
     padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (padding_free.py)
 
@@ -198,14 +183,34 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     lengths = [len(ids) for ids in examples.input_ids]
     longest = max(lengths, default=1)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = len(decoder_layers(base)) or model_dims(model.config).layers
     memory = memory_plan(model, base, train, speed, longest) if torch.cuda.is_available() and speed.packing else None
     if memory is not None:
         logger().info("train_adapter: %s", memory.describe())
-    chosen = choose_layers(base, train, speed, memory)
-    embeddings = chosen.tables and offload_embeddings(model)
-    head = chosen.tables and offload_output_layer(base)
-    plan_fields = apply_layers(base, chosen, train, "train_adapter", memory)
-    tokens, offload = chosen.tokens, chosen.offload
+        recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
+                                              memory.offload_embeddings, memory.tokens)
+        mlp_only, chunks = memory.recompute_mlp_layers, memory.mlp_chunks()
+    else:  # CPU, or unpacked: checkpointing recomputes every layer (or speed.recompute_layers), as always
+        recompute = 0 if not train.gradient_checkpointing else (
+            speed.recompute_layers if speed.recompute_layers is not None else layers)
+        # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its
+        # own backward) is not measured on GPUs
+        offload = bool(recompute) and (speed.offload_activations if speed.offload_activations is not None
+                                       else torch.cuda.is_available() and not several_processes())
+        wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+        tokens = speed.max_tokens_per_batch
+        mlp_only = min(speed.recompute_mlp_layers or 0, layers - recompute) if train.gradient_checkpointing else 0
+        chunks = None  # tile_mlp's chunks stay
+    embeddings = bool(wanted) and offload_embeddings(model)
+    head = bool(wanted) and offload_output_layer(base)
+    enable_checkpointing(base, offload, recompute)
+    mlp_only = recompute_mlps(base, recompute, mlp_only, chunks)
+    if mlp_only and memory is None:  # the plan's log line names the modes it chose
+        logger().info("train_adapter: decoder layers %d-%d recompute only their MLP (speed.recompute_mlp_layers)",
+                      recompute, recompute + mlp_only - 1)
+    plan_fields = {"recompute_layers": recompute if train.gradient_checkpointing or recompute else None,
+                   "recompute_mlp_layers": mlp_only,
+                   "memory_plan": memory.as_dict() if memory is not None else None}
     if not speed.packing:
         batches = MicroBatches(False, offload, embeddings, None, offload_output_layer=head, **plan_fields)
         multiple = 8 if torch.cuda.is_available() else 1
@@ -215,64 +220,6 @@ def training_batches(model: Any, examples: ParquetExamples, train: TrainArgs, sp
     return packs, pack_collator(), MicroBatches(True, offload, embeddings, tokens, len(packs), head, **plan_fields)
 
 
-class Layers(NamedTuple):
-    """What the decoder layers do with their activations, and the micro-batch size, as chosen for this device."""
-
-    modes: list[str]  # each decoder layer's, from the first up: memory_plan.WHOLE, MLP, HOST or KEPT
-    offload: bool  # the whole-recomputed layers' saved inputs in host memory
-    tables: bool  # the embedding table (and output layer) wanted in host memory
-    tokens: int | None  # per packed micro-batch
-    chunks: list[int] | None  # each layer's MLP chunk where the plan chose; None leaves tile_mlp's
-
-
-def choose_layers(base: Any, train: TrainArgs, speed: SpeedArgs, memory: MemoryPlan | None) -> Layers:
-    """The memory plan's choice where there is one (GPU, packing); elsewhere every layer recomputes while
-    train.gradient_checkpointing is on, as always, or what speed.recompute_layers, recompute_mlp_layers and
-    offload_layers pin (offloaded first, then whole, then MLP-only)."""
-    import torch
-
-    if memory is not None:
-        return Layers(memory.modes(), memory.offload_activations, memory.offload_embeddings, memory.tokens,
-                      memory.mlp_chunks())
-    layers = len(decoder_layers(base)) or model_dims(base.config).layers
-    host = min(speed.offload_layers or 0, layers)
-    recompute = 0 if not train.gradient_checkpointing else min(
-        speed.recompute_layers if speed.recompute_layers is not None else layers, layers - host)
-    # by default only in single-process runs: with DDP or FSDP the offloaded checkpoint (recomputing inside its
-    # own backward) is not measured on GPUs
-    offload = bool(recompute) and (speed.offload_activations if speed.offload_activations is not None
-                                   else torch.cuda.is_available() and not several_processes())
-    tables = speed.offload_embeddings if speed.offload_embeddings is not None else offload
-    mlp_only = min(speed.recompute_mlp_layers or 0, layers - recompute - host) if train.gradient_checkpointing else 0
-    modes = layer_modes(layers, recompute, mlp_only, host)
-    # an offloaded layer runs its MLP whole: a checkpoint inside it would recompute what was sent to the host
-    chunks = [0 if mode == HOST else speed.mlp_chunk_tokens for mode in modes] if host else None
-    return Layers(modes, offload, bool(tables), speed.max_tokens_per_batch, chunks)
-
-
-def apply_layers(base: Any, chosen: Layers, train: TrainArgs, who: str, memory: MemoryPlan | None
-                 ) -> dict[str, Any]:
-    """Set each decoder layer's mode on the model (checkpointing.py, mlp.py, offload_layers.py). Returns the
-    MicroBatches fields that record it."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    modes = chosen.modes
-    whole = sum(mode == WHOLE for mode in modes)
-    enable_checkpointing(base, chosen.offload, [mode == WHOLE for mode in modes])
-    mlp_only = recompute_mlps(base, [mode == MLP for mode in modes], chosen.chunks)
-    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
-    host = offload_layers(layers, [i for i, mode in enumerate(modes) if mode == HOST and i < len(layers)])
-    if memory is None:  # the plan's log line names the modes it chose
-        for mode, count, what in ((MLP, mlp_only, "recompute only their MLP (speed.recompute_mlp_layers)"),
-                                  (HOST, host, "keep their activations in host memory (speed.offload_layers)")):
-            if count:
-                logger().info("%s: decoder layers %s %s", who,
-                              ", ".join(str(i) for i, m in enumerate(modes) if m == mode), what)
-    return {"recompute_layers": whole if train.gradient_checkpointing or whole else None,
-            "recompute_mlp_layers": mlp_only, "offload_layers": host,
-            "memory_plan": memory.as_dict() if memory is not None else None}
-
-
 def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longest: int, tokens: int | None = None,
                 output_layer_movable: bool = True) -> MemoryPlan:
     """The fastest plan that fits speed.gpu_memory_budget_gb, within what the settings pin; fails with the numbers
@@ -280,8 +227,6 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
     micro-batch of answers), else speed.max_tokens_per_batch does; `output_layer_movable` False keeps the output
     layer on the GPU (TRL's fused LM head reads it there)."""
     import torch
-
-    from tasks.runtime import free_memory
 
     several = several_processes()  # offloads are single-process only (DDP broadcasts GPU tensors)
     mlps = bool(decoder_layers(base))
@@ -294,17 +239,13 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
         else False,
         offload_embeddings=speed.offload_embeddings if speed.offload_embeddings is not None or not several
         else False,
-        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0,
-        # the pinned settings' layers are not offloaded instead of recomputed unless pinned too
-        offload_layers=speed.offload_layers if speed.offload_layers is not None or not several
-        and speed.recompute_layers is None else 0)
+        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0)
     emb, head = model.get_input_embeddings(), base.get_output_embeddings()
     movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
     head_movable = (output_layer_movable and head is not None and output_layer_offload_unsupported(base) is None
                     and head.weight.is_cuda)
     fixed = Fixed(torch.cuda.memory_allocated(), sum(p.numel() for p in model.parameters() if p.requires_grad),
-                  emb.weight.nbytes if movable else 0, head.weight.nbytes if head_movable else 0,
-                  int(HOST_MEMORY_SHARE * free_memory("cpu")[0]))  # the host's memory for offloaded layers
+                  emb.weight.nbytes if movable else 0, head.weight.nbytes if head_movable else 0)
     dims, budget = model_dims(model.config), gpu_budget_gb(speed)
     plan = choose_plan(dims, fixed, budget, choices)
     if plan is None:
@@ -314,6 +255,5 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
             f"GiB, and the smallest plan the settings allow needs about {smallest_peak_gib(dims, fixed, choices):.2f}"
             f" GiB (the longest example has {longest:,} tokens). Raise speed.gpu_memory_budget_gb, lower "
             "data.max_seq_length, lora.r or the number of lora.target_modules, or unpin speed.max_tokens_per_batch, "
-            "speed.recompute_layers, speed.recompute_mlp_layers, speed.offload_layers and the offloads so the plan can "
-            "use them.")
+            "speed.recompute_layers, speed.recompute_mlp_layers and the offloads so the plan can use them.")
     return plan

@@ -166,8 +166,9 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     elsewhere every layer recomputed while train.gradient_checkpointing is on, as before."""
     import torch
 
-    from tasks.train_adapter.checkpointing import offload_embeddings
-    from tasks.train_adapter.memory_plan import WHOLE
+    from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
+    from tasks.train_adapter.memory_plan import model_dims
+    from tasks.train_adapter.mlp import decoder_layers, recompute_mlps
 
     model = trainer.model
     base = model.get_base_model()
@@ -179,18 +180,36 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
         memory = plan.memory_plan(model, base, train, speed, max(lengths), tokens=pinned, output_layer_movable=False)
         logger().info("train_adapter (%s): %s (the output layer stays on the GPU: TRL's fused LM head reads it "
                       "there)", train.method, memory.describe())
-    chosen = plan.choose_layers(base, train, speed, memory)
-    embeddings = chosen.tables and offload_embeddings(model)
-    fields = plan.apply_layers(base, chosen, train, f"train_adapter ({train.method})", memory)
-    tokens, offload = chosen.tokens, chosen.offload
-    if fields["recompute_layers"]:
-        _keep_checkpoint_function(base, offload, [mode == WHOLE for mode in chosen.modes])
+        recompute, offload, wanted, tokens = (memory.recompute_layers, memory.offload_activations,
+                                              memory.offload_embeddings, memory.tokens)
+        mlp_only, chunks = memory.recompute_mlp_layers, memory.mlp_chunks()
+    else:
+        layers = len(decoder_layers(base)) or model_dims(base.config).layers
+        recompute = 0 if not train.gradient_checkpointing else (
+            speed.recompute_layers if speed.recompute_layers is not None else layers)
+        offload = bool(recompute) and (speed.offload_activations if speed.offload_activations is not None
+                                       else torch.cuda.is_available() and not plan.several_processes())
+        wanted = speed.offload_embeddings if speed.offload_embeddings is not None else offload
+        tokens = speed.max_tokens_per_batch
+        mlp_only = min(speed.recompute_mlp_layers or 0, layers - recompute) if train.gradient_checkpointing else 0
+        chunks = None
+    embeddings = bool(wanted) and offload_embeddings(model)
+    enable_checkpointing(base, offload, recompute)
+    mlp_only = recompute_mlps(base, recompute, mlp_only, chunks)
+    if mlp_only and memory is None:  # the plan's log line names the modes it chose
+        logger().info("train_adapter (%s): decoder layers %d-%d recompute only their MLP (speed.recompute_mlp_layers)",
+                      train.method, recompute, recompute + mlp_only - 1)
+    if recompute:
+        _keep_checkpoint_function(base, offload, recompute)
     groups = None
     if grouped:
         trainer.train_dataset = _PairGroups(dataset, lengths, tokens,
                                             None if tokens else train.per_device_train_batch_size, train.seed)
         groups = len(trainer.train_dataset)
-    return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups, **fields)
+    return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups,
+                             recompute_layers=recompute if train.gradient_checkpointing or recompute else None,
+                             recompute_mlp_layers=mlp_only,
+                             memory_plan=memory.as_dict() if memory is not None else None)
 
 
 def _lengths(dataset: Any, method: str) -> list[int]:
@@ -220,10 +239,10 @@ class _PairGroups:
         return {"pairs": [self.dataset[j] for j in self.groups[i]]}
 
 
-def _keep_checkpoint_function(model: Any, offload: bool, flags: list[bool]) -> None:
+def _keep_checkpoint_function(model: Any, offload: bool, recompute: int | None) -> None:
     """TRL turns checkpointing off around its no-grad reference pass and back on with transformers' default
     function, in every layer; this makes "back on" mean the pipeline's (offloaded) checkpointing again, in the
-    layers the plan recomputes (`flags`, one per decoder layer), hooks untouched."""
+    layers the plan recomputes, hooks untouched."""
     import torch.utils.checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -235,8 +254,8 @@ def _keep_checkpoint_function(model: Any, offload: bool, flags: list[bool]) -> N
 
     def enable(*_: Any, **__: Any) -> None:
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
-        for layer, flag in zip(layers, flags, strict=False):
-            layer.gradient_checkpointing = flag
+        for index, layer in enumerate(layers):
+            layer.gradient_checkpointing = recompute is None or index < recompute
 
     model.gradient_checkpointing_enable = enable
 

@@ -348,3 +348,46 @@ def test_dpo_applies_mlp_only_recomputation(pairs: dict[str, str], tmp_path: Pat
                                    pairs["model"])
     assert _metrics(adapter)["optimizer_steps"] == 2
     assert "(dpo): decoder layers 1-1 recompute only their MLP" in caplog.text
+
+
+def _per_step(trainer: Any) -> tuple[list[float], list[list[str]]]:
+    """Train `trainer`; its logged loss of each optimizer step and the pairs (chosen answers) each step saw."""
+    seen: list[list[str]] = []
+    collate = trainer.data_collator.inner
+
+    def recording(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        seen.append(sorted(str(e["chosen_ids"]) for e in examples))
+        return collate(examples)
+
+    trainer.data_collator.inner = recording
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, seen[:len(losses)]  # the dataloader fetches one micro-batch ahead
+
+
+def test_padding_free_dpo_trains_step_for_step_like_trls_padded_batches(pairs: dict[str, str], tmp_path: Path
+                                                                         ) -> None:
+    """Several optimizer steps from the same weights and seed: the padding-free path (speed.packing, micro-batches
+    of per_device_train_batch_size pairs on a CPU) sees the same pairs in each step as TRL's padded path and logs
+    the same loss after every step. Before, its micro-batches were fixed groups of pairs drawn by its own shuffle:
+    other pairs in every step, and a 1-pair remainder group anywhere in the epoch."""
+    from tasks.train_adapter import preference
+
+    config = load_config(None, ["train.method=dpo", "train.per_device_train_batch_size=4", "train.max_steps=4",
+                                "train.logging_steps=1", "train.learning_rate=0.003", "train.beta=0.5",
+                                "train.seed=1"])
+    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    trainers = [preference._trainer(config.lora, config.train, config.speed.model_copy(update={"packing": packing}),
+                                    dataset, tmp_path / str(packing), Path(pairs["model"]))[0]
+                for packing in (False, True)]
+    plain, packed = trainers
+    assert getattr(packed.model.get_base_model().forward, "padding_free", False)
+    weights = dict(plain.model.named_parameters())
+    for name, param in packed.model.named_parameters():
+        if param.requires_grad:
+            param.data.copy_(weights[name].data)
+    losses, seen = _per_step(plain)
+    losses2, seen2 = _per_step(packed)
+    assert seen2 == seen and all(len(step) == 4 for step in seen)
+    assert len(losses) == 4 and len(set(losses[1:])) > 1  # the weights moved: later steps test more than step 1
+    assert losses2 == pytest.approx(losses, abs=2e-4)

@@ -391,3 +391,43 @@ def test_padding_free_dpo_trains_step_for_step_like_trls_padded_batches(pairs: d
     assert seen2 == seen and all(len(step) == 4 for step in seen)
     assert len(losses) == 4 and len(set(losses[1:])) > 1  # the weights moved: later steps test more than step 1
     assert losses2 == pytest.approx(losses, abs=2e-4)
+
+
+def test_token_budget_groups_make_a_steps_loss_the_mean_over_its_pairs(pairs: dict[str, str], tmp_path: Path
+                                                                      ) -> None:
+    """DPO groups sized in tokens (speed.max_tokens_per_batch; the memory plan's on a GPU) hold different numbers
+    of pairs. Two of them accumulated into one optimizer step give the loss and LoRA gradients of TRL's padded
+    path on one micro-batch of all their pairs (TRL's loss is a mean over pairs), not the mean of the two groups'
+    means that the Trainer's division by gradient_accumulation_steps alone gives."""
+    import torch
+
+    from tasks.train_adapter import preference
+
+    config = load_config(None, ["train.method=dpo", "train.gradient_accumulation_steps=2"])
+    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    speeds = [config.speed.model_copy(update={"packing": False}),
+              config.speed.model_copy(update={"max_tokens_per_batch": 200})]
+    plain, packed = (preference._trainer(config.lora, config.train, speed, dataset, tmp_path / str(i),
+                                         Path(pairs["model"]))[0] for i, speed in enumerate(speeds))
+    groups = packed.train_dataset.groups
+    first = next(g for g in groups if len(g) > 1)
+    second = next(g for g in groups if len(g) != len(first))  # of another size: the weighting shows
+    weights = dict(plain.model.named_parameters())
+    with torch.no_grad():  # LoRA B off zero, so that policy and reference differ
+        for name, param in plain.model.named_parameters():
+            if param.requires_grad and "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.05)
+        for name, param in packed.model.named_parameters():
+            if param.requires_grad:
+                param.copy_(weights[name])
+    loss, _, grads = _loss_metrics_grads(plain, plain.data_collator([dataset[i] for i in first + second]))
+    batches = [packed.data_collator([{"pairs": [dataset[i] for i in g]}]) for g in (first, second)]
+    step_pairs = packed._get_num_items_in_batch(batches, packed.args.device)
+    assert step_pairs == len(first) + len(second)
+    packed.model.zero_grad()
+    packed.current_gradient_accumulation_steps = 2
+    loss2 = sum(packed.training_step(packed.model, batch, step_pairs).item() for batch in batches)
+    assert loss2 == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    for name, grad in grads.items():
+        param = dict(packed.model.named_parameters())[name]
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-6)

@@ -10,9 +10,11 @@ Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reason
 - padding-free batches (speed.packing, on by default): TRL's trainers pad each row to the longest of the
   micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; padding_free.py runs the real tokens as one
   row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
-  KL passes alike. DPO's micro-batches are then groups of whole pairs sized in tokens (prompt + chosen and prompt
-  + rejected), like SFT's packs; KTO keeps per_device_train_batch_size answers per micro-batch (its KL term pairs
-  neighbours within one).
+  KL passes alike. Where a token budget is set (the memory plan's on a GPU, speed.max_tokens_per_batch), DPO's
+  micro-batches are groups of whole pairs sized in tokens (prompt + chosen and prompt + rejected), like SFT's
+  packs, and a step's loss is the mean over its pairs; without one, per_device_train_batch_size pairs drawn as
+  TRL's padded path draws them (the same pairs in every step). KTO keeps per_device_train_batch_size answers per
+  micro-batch (its KL term pairs neighbours within one).
 - the memory plan (memory_plan.py, on a GPU with packing): DPO's group size, the recomputed layers and the
   offloads for speed.gpu_memory_budget_gb; for KTO the recomputed layers and offloads at its micro-batch. The
   output layer stays on the GPU (TRL's fused LM head reads it there).

@@ -348,3 +348,86 @@ def test_dpo_applies_mlp_only_recomputation(pairs: dict[str, str], tmp_path: Pat
                                    pairs["model"])
     assert _metrics(adapter)["optimizer_steps"] == 2
     assert "(dpo): decoder layers 1-1 recompute only their MLP" in caplog.text
+
+
+def _per_step(trainer: Any) -> tuple[list[float], list[list[str]]]:
+    """Train `trainer`; its logged loss of each optimizer step and the pairs (chosen answers) each step saw."""
+    seen: list[list[str]] = []
+    collate = trainer.data_collator.inner
+
+    def recording(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        seen.append(sorted(str(e["chosen_ids"]) for e in examples))
+        return collate(examples)
+
+    trainer.data_collator.inner = recording
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, seen[:len(losses)]  # the dataloader fetches one micro-batch ahead
+
+
+def test_padding_free_dpo_trains_step_for_step_like_trls_padded_batches(pairs: dict[str, str], tmp_path: Path
+                                                                         ) -> None:
+    """Several optimizer steps from the same weights and seed: the padding-free path (speed.packing, micro-batches
+    of per_device_train_batch_size pairs on a CPU) sees the same pairs in each step as TRL's padded path and logs
+    the same loss after every step. Before, its micro-batches were fixed groups of pairs drawn by its own shuffle:
+    other pairs in every step, and a 1-pair remainder group anywhere in the epoch."""
+    from tasks.train_adapter import preference
+
+    config = load_config(None, ["train.method=dpo", "train.per_device_train_batch_size=4", "train.max_steps=4",
+                                "train.logging_steps=1", "train.learning_rate=0.003", "train.beta=0.5",
+                                "train.seed=1"])
+    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    trainers = [preference._trainer(config.lora, config.train, config.speed.model_copy(update={"packing": packing}),
+                                    dataset, tmp_path / str(packing), Path(pairs["model"]))[0]
+                for packing in (False, True)]
+    plain, packed = trainers
+    assert getattr(packed.model.get_base_model().forward, "padding_free", False)
+    weights = dict(plain.model.named_parameters())
+    for name, param in packed.model.named_parameters():
+        if param.requires_grad:
+            param.data.copy_(weights[name].data)
+    losses, seen = _per_step(plain)
+    losses2, seen2 = _per_step(packed)
+    assert seen2 == seen and all(len(step) == 4 for step in seen)
+    assert len(losses) == 4 and len(set(losses[1:])) > 1  # the weights moved: later steps test more than step 1
+    assert losses2 == pytest.approx(losses, abs=2e-4)
+
+
+def test_token_budget_groups_make_a_steps_loss_the_mean_over_its_pairs(pairs: dict[str, str], tmp_path: Path
+                                                                      ) -> None:
+    """DPO groups sized in tokens (speed.max_tokens_per_batch; the memory plan's on a GPU) hold different numbers
+    of pairs. Two of them accumulated into one optimizer step give the loss and LoRA gradients of TRL's padded
+    path on one micro-batch of all their pairs (TRL's loss is a mean over pairs), not the mean of the two groups'
+    means that the Trainer's division by gradient_accumulation_steps alone gives."""
+    import torch
+
+    from tasks.train_adapter import preference
+
+    config = load_config(None, ["train.method=dpo", "train.gradient_accumulation_steps=2"])
+    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    speeds = [config.speed.model_copy(update={"packing": False}),
+              config.speed.model_copy(update={"max_tokens_per_batch": 200})]
+    plain, packed = (preference._trainer(config.lora, config.train, speed, dataset, tmp_path / str(i),
+                                         Path(pairs["model"]))[0] for i, speed in enumerate(speeds))
+    groups = packed.train_dataset.groups
+    first = next(g for g in groups if len(g) > 1)
+    second = next(g for g in groups if len(g) != len(first))  # of another size: the weighting shows
+    weights = dict(plain.model.named_parameters())
+    with torch.no_grad():  # LoRA B off zero, so that policy and reference differ
+        for name, param in plain.model.named_parameters():
+            if param.requires_grad and "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.05)
+        for name, param in packed.model.named_parameters():
+            if param.requires_grad:
+                param.copy_(weights[name])
+    loss, _, grads = _loss_metrics_grads(plain, plain.data_collator([dataset[i] for i in first + second]))
+    batches = [packed.data_collator([{"pairs": [dataset[i] for i in g]}]) for g in (first, second)]
+    step_pairs = packed._get_num_items_in_batch(batches, packed.args.device)
+    assert step_pairs == len(first) + len(second)
+    packed.model.zero_grad()
+    packed.current_gradient_accumulation_steps = 2
+    loss2 = sum(packed.training_step(packed.model, batch, step_pairs).item() for batch in batches)
+    assert loss2 == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    for name, grad in grads.items():
+        param = dict(packed.model.named_parameters())[name]
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-6)

@@ -10,9 +10,11 @@ Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reason
 - padding-free batches (speed.packing, on by default): TRL's trainers pad each row to the longest of the
   micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; padding_free.py runs the real tokens as one
   row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
-  KL passes alike. DPO's micro-batches are then groups of whole pairs sized in tokens (prompt + chosen and prompt
-  + rejected), like SFT's packs; KTO keeps per_device_train_batch_size answers per micro-batch (its KL term pairs
-  neighbours within one).
+  KL passes alike. Where a token budget is set (the memory plan's on a GPU, speed.max_tokens_per_batch), DPO's
+  micro-batches are groups of whole pairs sized in tokens (prompt + chosen and prompt + rejected), like SFT's
+  packs, and a step's loss is the mean over its pairs; without one, per_device_train_batch_size pairs drawn as
+  TRL's padded path draws them (the same pairs in every step). KTO keeps per_device_train_batch_size answers per
+  micro-batch (its KL term pairs neighbours within one).
 - the memory plan (memory_plan.py, on a GPU with packing): DPO's group size, the recomputed layers and the
   offloads for speed.gpu_memory_budget_gb; for KTO the recomputed layers and offloads at its micro-batch. The
   output layer stays on the GPU (TRL's fused LM head reads it there).
@@ -154,9 +156,17 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
 
 
 def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:
-    """Whether DPO's micro-batches are groups of pairs sized in tokens (speed.packing). KTO keeps its micro-batch
-    of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt within it."""
-    return speed.packing and train.method == "dpo"
+    """Whether DPO's micro-batches are groups of pairs sized in tokens: with speed.packing where a token budget
+    sizes them (the memory plan's on a GPU, speed.max_tokens_per_batch elsewhere). Without a budget (a CPU by
+    default) the micro-batch is per_device_train_batch_size pairs drawn by the Trainer's own sampler, as TRL's
+    padded path draws them, so both train on the same pairs in every optimizer step and log the same losses
+    (padding-free still runs each micro-batch as one row). Fixed groups of that many pairs from packs.py's shuffle
+    were no faster and trained on other pairs, with the 1-pair remainder group anywhere in the epoch. KTO keeps its
+    micro-batch of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt."""
+    import torch
+
+    budget = torch.cuda.is_available() or speed.max_tokens_per_batch is not None
+    return speed.packing and train.method == "dpo" and budget
 
 
 def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: Any) -> plan.MicroBatches:
@@ -202,9 +212,9 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     if recompute:
         _keep_checkpoint_function(base, offload, recompute)
     groups = None
-    if grouped:
-        trainer.train_dataset = _PairGroups(dataset, lengths, tokens,
-                                            None if tokens else train.per_device_train_batch_size, train.seed)
+    if grouped:  # a token budget is set here (_grouped)
+        trainer.train_dataset = _PairGroups(dataset, lengths, tokens, train.seed)
+        trainer.loss_is_scaled_for_ga = True  # weighted by pairs: _PreTokenizedDPO.compute_loss
         groups = len(trainer.train_dataset)
     return plan.MicroBatches(grouped, offload, embeddings, tokens if grouped else None, groups,
                              recompute_layers=recompute if train.gradient_checkpointing or recompute else None,
@@ -223,14 +233,19 @@ def _lengths(dataset: Any, method: str) -> list[int]:
 
 
 class _PairGroups:
-    """DPO's pairs as micro-batches of whole pairs of at most max_tokens tokens (or max_pairs pairs): packs.py's
-    seeded shuffle, then greedy; a pair longer than max_tokens goes alone. One item per micro-batch."""
+    """DPO's pairs as micro-batches of whole pairs of at most max_tokens tokens: packs.py's seeded shuffle, then
+    greedy; a pair longer than max_tokens goes alone. One item per micro-batch.
 
-    def __init__(self, dataset: Any, lengths: list[int], max_tokens: int | None, max_pairs: int | None,
-                 seed: int) -> None:
+    By design an optimizer step then holds gradient_accumulation_steps groups of however many pairs fit the budget,
+    not per_device_train_batch_size x gradient_accumulation_steps pairs (the budget is the speed lever: fewer,
+    fuller micro-steps), and an epoch has len(groups) / gradient_accumulation_steps steps, which the learning-rate
+    schedule follows. What stays the padded path's is the loss of a step: the mean over its pairs (see
+    _PreTokenizedDPO), not the mean of its micro-batches' means."""
+
+    def __init__(self, dataset: Any, lengths: list[int], max_tokens: int, seed: int) -> None:
         from tasks.train_adapter.packs import plan_packs
 
-        self.dataset, self.groups = dataset, plan_packs(lengths, max_tokens, max_pairs, seed)
+        self.dataset, self.groups = dataset, plan_packs(lengths, max_tokens, None, seed)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -272,10 +287,34 @@ def _trl(method: str) -> tuple[type, type]:
 @functools.cache
 def _PreTokenizedDPO(base: type) -> type:  # noqa: N802 - a class factory (trl imported lazily)
     class PreTokenizedDPOTrainer(base):
+        """TRL's DPO trainer on prepare_data's token ids. With _PairGroups (loss_is_scaled_for_ga set), each
+        micro-batch's loss is weighted by its share of the optimizer step's pairs: TRL's loss is a mean over a
+        micro-batch's pairs, and the Trainer's division by gradient_accumulation_steps would give a pair of a
+        small group more weight than one of a large group; weighted, a step's loss and gradient are the mean over
+        all its pairs, what TRL's padded path computes for equal micro-batches."""
+
         def _prepare_dataset(self, dataset: Any, *_: Any) -> Any:
             return dataset  # prompt_ids, chosen_ids, rejected_ids from prepare_data
 
+        def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+            if not self.loss_is_scaled_for_ga:
+                return super()._get_num_items_in_batch(batch_samples, device)
+            return sum(_pairs(batch) for batch in batch_samples)  # this optimizer step's pairs (this process's)
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if not (self.loss_is_scaled_for_ga and self.model.training and num_items_in_batch):
+                return result
+            share = _pairs(inputs) / num_items_in_batch
+            return (result[0] * share, *result[1:]) if return_outputs else result * share
+
     return PreTokenizedDPOTrainer
+
+
+def _pairs(batch: dict[str, Any]) -> int:
+    """Pairs in one of TRL's DPO micro-batches: its rows are the chosen answers, then the rejected ones."""
+    return len(batch["input_ids"]) // 2
 
 
 @functools.cache

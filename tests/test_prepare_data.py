@@ -309,6 +309,50 @@ def test_worker_pool_gives_the_same_output(tmp_path: Path, monkeypatch: pytest.M
     assert run(tmp_path / "stdin", source)["train"] == alone["train"]
 
 
+def test_tokenizer_read_here_or_in_a_helper_gives_the_same_key_and_bytes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a flow run the tokenizer is read in this process, alone in a helper process: one key, one output."""
+    import tasks.prepare_data.tokenization as tokenization
+
+    source = write_jsonl(tmp_path / "d.jsonl", dolly(60))
+    out = {}
+    for here in (False, True):
+        monkeypatch.setattr(tokenization, "_DESCRIBED", {})  # nothing remembered from the other way or other tests
+        monkeypatch.setattr(tokenization, "_imports_transformers_anyway", lambda here=here: here)
+        out[here] = run(tmp_path / str(here), source)
+    assert out[True]["dir"].name == out[False]["dir"].name == out[True]["key"]
+    assert out[True]["hashes"] == out[False]["hashes"]
+    assert out[True]["train"] == out[False]["train"] and out[True]["eval"] == out[False]["eval"]
+
+
+def test_parquet_rows_are_written_as_pyarrows_filtered_table_would(tmp_path: Path) -> None:
+    """The writer builds its list columns from numpy buffers (no pandas import): the file is byte for byte the one
+    a pyarrow table of all examples, filtered by the mask, gives."""
+    import types
+
+    import numpy as np
+
+    from tasks.prepare_data.stage import _Writer
+    from tasks.prepare_data.tokenization import Tokenized
+
+    lengths = np.array([3, 1, 4, 2, 5], np.int64)
+    ids = np.arange(1, lengths.sum() + 1, dtype=np.int32)
+    labels = np.where(ids % 3 == 0, np.int32(-100), ids).astype(np.int32)
+    part = Tokenized(ids, labels, lengths, np.arange(5, dtype=np.uint64), lengths)
+    mask = np.array([True, False, True, True, False])
+    with _Writer(tmp_path / "ours.parquet", False, types.SimpleNamespace(max_len=8, fmt="dolly")) as ours:
+        ours.write(part, mask)
+        ours.write(part, ~mask)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    with pq.ParquetWriter(tmp_path / "theirs.parquet", ours.schema) as theirs:
+        for m in (mask, ~mask):
+            table = pa.table({name: pa.ListArray.from_arrays(offsets, values)
+                              for name, values in (("input_ids", ids), ("labels", labels))}).filter(m)
+            theirs.write_table(table.cast(ours.schema))
+    assert (tmp_path / "ours.parquet").read_bytes() == (tmp_path / "theirs.parquet").read_bytes()
+    assert (ours.examples, ours.tokens, ours.label_tokens) == (5, 15, int((labels != -100).sum()))
+
+
 # ---- bad input: one clear error listing every problem, no manifest ----------------------------------------
 
 

@@ -58,12 +58,10 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
     memo = (tokenizer_dir, *sorted((p.name, p.stat().st_mtime_ns) for p in Path(tokenizer_dir).iterdir()))
     if memo not in _DESCRIBED and saved is not None and fmt != "chat" and saved.is_file():
         _DESCRIBED[memo] = json.loads(saved.read_text())
-    if memo not in _DESCRIBED and (fmt == "chat" or "transformers" in sys.modules or not _can_spawn()):
+    if memo not in _DESCRIBED and (fmt == "chat" or _imports_transformers_anyway() or not _can_spawn()):
         _DESCRIBED[memo] = _describe(tokenizer_dir)
     elif memo not in _DESCRIBED:
-        # transformers imports torch (0.3-1 GB of RSS, seconds): read the tokenizer in a short-lived process instead
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as helper:
-            _DESCRIBED[memo] = helper.submit(_describe, tokenizer_dir).result()
+        _DESCRIBED[memo] = _describe_in_helper(tokenizer_dir)
     facts = _DESCRIBED[memo]
     if saved is not None and not saved.is_file():
         saved.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +87,26 @@ def refuses_system_role(tokenizer: Any, chat_template: str | None) -> bool:
 
     user = {"role": "user", "content": "hi"}
     return renders([user]) and not renders([{"role": "system", "content": "be brief"}, user])
+
+
+def _imports_transformers_anyway() -> bool:
+    """True when this process has transformers already, or will: inside a flow run, whose next stage
+    (prepare_model) loads the base model in this process, so a helper would import it a second time."""
+    if "transformers" in sys.modules:
+        return True
+    from prefect.context import FlowRunContext
+
+    return FlowRunContext.get() is not None
+
+
+def _describe_in_helper(tokenizer_dir: str) -> dict[str, Any]:
+    """_describe in a short-lived process: transformers imports torch (0.3-1 GB of RSS, seconds), which prepare_data
+    alone does not need here."""
+    helper = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        return helper.submit(_describe, tokenizer_dir).result()
+    finally:
+        helper.shutdown(wait=False)  # its exit (unloading torch) took 1.8 s that nothing here needs to wait for
 
 
 def _describe(tokenizer_dir: str) -> dict[str, Any]:

@@ -80,6 +80,11 @@ def test_evaluate_writes_metrics_and_samples(trained: dict[str, Any]) -> None:
     metrics = read_manifest(folder).metrics.model_dump(exclude_unset=True)
     assert metrics == json.loads((folder / "metrics.json").read_text())
     assert metrics["eval_examples"] == 12 and metrics["generation_samples"] == 6
+    from tasks.examples import ParquetExamples
+
+    examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")
+    labels = [examples[i]["labels"][1:] for i in range(12)]  # next-token targets: the first label is never scored
+    assert metrics["eval_tokens"] == sum(t != -100 for row in labels for t in row)
     samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 6 and all(s["prompt"].endswith("### Response:\n") for s in samples)
     for who in ("base", "tuned"):

@@ -179,9 +179,9 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
     start = time.perf_counter()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     # the largest loss batch's memory bounds a generation batch (generation_tokens)
-    tokens = generation_tokens(model, max(b["input_ids"].numel() for b in batches)) if batches else None
+    budget = generation_tokens(model, max(b["input_ids"].numel() for b in batches)) if batches else None
     answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
-                              tokenizer.pad_token_id, eos, tokens)
+                              tokenizer.pad_token_id, eos, budget)
     if prompts:
         logger().info("evaluate_adapter: %s model: %d answers generated (%.1fs)", label, len(answers),
                       time.perf_counter() - start)

@@ -159,7 +159,7 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
 def test_model_dims_read_each_familys_config_names() -> None:
     import transformers as tf
 
-    from tasks.train_adapter.memory_plan import model_dims
+    from tasks.model_dims import model_dims
     from tests.families import family_config
 
     for family in FAMILIES:

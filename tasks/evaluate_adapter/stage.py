@@ -35,8 +35,15 @@ from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
-from tasks.evaluate_adapter.generation import (by_length, exact_match, generation_tokens, greedy_generate, rouge_l,
-                                               score, split_prompt)
+from tasks.evaluate_adapter.generation import (
+    by_length,
+    exact_match,
+    generation_tokens,
+    greedy_generate,
+    rouge_l,
+    score,
+    split_prompt,
+)
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.limits import cpu_share
 from tasks.log import logger

@@ -54,6 +54,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from tasks.model_dims import Dims
+
 GIB = 2**30
 # refitted to bench/results/2026-12-02-h200-issue24-run2.json (8B, H200, one session): nothing recomputed, 13,854
 # real tokens/s at 8,192-token packs and 15,021 at 16,384 give HOST_TOKENS 1,506; with it the three runs that
@@ -66,43 +68,6 @@ TRAINABLE_BYTES = 16  # per trainable parameter: fp32 gradient, AdamW's two fp32
 LOSS_ROWS = 512  # the fused loss's largest chunk of rows: its fp32 logits (rows x vocabulary) exist at once
 ALLOCATOR_SLACK = 0.05  # share of the budget kept free for fragmentation: the plan fits 95% of it
 PACK_SIZES = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # candidate tokens per micro-batch
-
-
-class Dims(NamedTuple):
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    kv: int = 0  # key/value width (heads x head dim); 0 = hidden (no grouped-query attention)
-
-
-# each family's names for the same sizes, first match wins: Llama/Qwen/Gemma/Mistral/Phi/GPT-NeoX, GPT-2, OPT,
-# Falcon, MPT/T5-style
-HIDDEN_NAMES = ("hidden_size", "n_embd", "d_model")
-INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff")
-LAYER_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
-
-
-def model_dims(config: Any) -> Dims:
-    """Hidden size, MLP width, layer count, vocabulary and key/value width of any decoder-only config, whatever
-    its field names. A missing or None MLP width means the transformer default of 4 x hidden (GPT-2's n_inner,
-    Falcon); a missing key/value head count means as many as query heads."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = _first(config, HIDDEN_NAMES)
-    layers = _first(config, LAYER_NAMES)
-    if hidden is None or layers is None:
-        raise ValueError(f"{type(config).__name__} names its hidden size or layer count none of "
-                         f"{HIDDEN_NAMES + LAYER_NAMES}")
-    intermediate = _first(config, INTERMEDIATE_NAMES) or 4 * hidden
-    heads, kv_heads = _first(config, HEAD_NAMES), getattr(config, "num_key_value_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
-    kv = kv_heads * head_dim if kv_heads and head_dim else hidden
-    return Dims(hidden, intermediate, layers, config.vocab_size, kv)
-
-
-def _first(config: Any, names: tuple[str, ...]) -> int | None:
-    return next((v for v in (getattr(config, n, None) for n in names) if v is not None), None)
 
 
 class Layout(NamedTuple):

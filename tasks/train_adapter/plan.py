@@ -15,6 +15,7 @@ from tasks.config import PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedAr
 from tasks.errors import UserError
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
+from tasks.model_dims import model_dims
 from tasks.train_adapter.attention import use_packed_attention
 from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
@@ -24,7 +25,7 @@ from tasks.train_adapter.loss import (
     output_layer_offload_unsupported,
     use_fused_loss,
 )
-from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, model_dims, smallest_peak_gib
+from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, smallest_peak_gib
 from tasks.train_adapter.mlp import decoder_layers, recompute_mlps, tile_mlp
 from tasks.train_adapter.packs import PackedExamples, pack_collator
 from tasks.train_adapter.parallel import several_processes

@@ -176,8 +176,8 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     elsewhere every layer recomputed while train.gradient_checkpointing is on, as before."""
     import torch
 
+    from tasks.model_dims import model_dims
     from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
-    from tasks.train_adapter.memory_plan import model_dims
     from tasks.train_adapter.mlp import decoder_layers, recompute_mlps
 
     model = trainer.model

@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, action="append", default=[], help="another checkout to run too")
     parser.add_argument("--set", dest="extra", action="append", default=[], help="more --set overrides")
     parser.add_argument("--skip-root", action="store_true", help="run only the --tree checkouts")
+    parser.add_argument("--keep", action="store_true", help="keep the first run's runs_dir (for probe_eval.py)")
     parser.add_argument("--profile", action="store_true", help="py-spy raw stacks of each run, beside --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -96,7 +97,8 @@ def main() -> None:
     for i, tree in enumerate(args.tree if args.skip_root else [ROOT, *args.tree]):
         profile = args.out.parent / f"{args.out.stem}-{i}.stacks" if args.profile else None
         run = run_job(tree.resolve(), args.model, args.dolly, args.work / f"runs{i}", args.extra, profile)
-        shutil.rmtree(args.work / f"runs{i}", ignore_errors=True)  # 22 GB for an 8B model: the GPU host's disk is 64
+        if not (args.keep and i == 0):
+            shutil.rmtree(args.work / f"runs{i}", ignore_errors=True)  # 22 GB for 8B; the GPU host has 64
         result["runs"].append(run)
         print(json.dumps(run), flush=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -256,6 +258,27 @@ def dequantize_in_place(model: Any) -> Any:
         model.set_submodule(name, linear)
     model.is_loaded_in_4bit = False  # peft then attaches LoRA to plain Linear layers
     return model
+
+
+@contextmanager
+def allocator_restored() -> Iterator[None]:
+    """Run training, then put back the CUDA allocator setting it changed: training turns on expandable segments
+    (train_adapter/plan.py prepare_base: reserved memory stays near allocated), a process-wide setting.
+
+    Why back: in a run without the GPU pool, evaluate_adapter and export_adapter run in this process after training.
+    With expandable segments every new peak maps physical memory in small pages, and evaluation's loss and
+    generation batches grow batch after batch (length-sorted): on the H200 the base model's loss pass, the first,
+    took 3.8 times the tuned one's on the same batches (bench/README.md, "Issue 24, fourth pass")."""
+    try:
+        yield
+    finally:
+        import torch
+
+        if torch.cuda.is_available():
+            release_device_memory()  # the segments are unmapped before the allocator changes mode
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+            torch.cuda.memory._set_allocator_settings(
+                f"expandable_segments:{'True' if 'expandable_segments:True' in conf else 'False'}")
 
 
 def release_device_memory() -> None:

@@ -10,6 +10,7 @@ modules.json (the names of the Linear layers LoRA can target, with counts) and m
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,17 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
             return str(stage.dir)
         source = model_path(args.base_model, args.revision)
         dtype = compute_dtype(args.bnb_4bit_compute_dtype)
+        start = time.perf_counter()
         model = _load_4bit(source, args, dtype)
         tokenizer = load_tokenizer(source)
+        loaded = time.perf_counter()
         # the checkpoint holds what the 4-bit model holds in memory; the tokenizer files are the source's own
         disk.require("prepare_model", runs_dir, stage.dir, model.get_memory_footprint() + _tokenizer_bytes(source),
                      "the 4-bit checkpoint and its tokenizer")
         model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
         tokenizer.save_pretrained(stage.dir)
+        logger().info("prepare_model: loaded and quantized in %.1fs, saved in %.1fs", loaded - start,
+                      time.perf_counter() - loaded)
         finish(stage, model, dtype, model.get_memory_footprint())
         return str(stage.dir)
 

@@ -1,0 +1,163 @@
+"""Where evaluate_adapter's and export_adapter's seconds go on a GPU: the allocator, repeated passes, shard writes.
+
+Three probes, each in a child process of its own (a fresh CUDA allocator), results as one JSON:
+
+- `eval`: on a finished job's runs_dir (bench_job.py --keep), evaluate_adapter's own pieces (load_for_evaluation,
+  its batches, mean_loss, greedy_generate) timed with the device synchronised: the base model's loss pass twice,
+  its answers twice, then base + adapter once each; once with the allocator training leaves behind in a run
+  without the GPU pool (expandable segments) and once with torch's default. If the first base pass is slow under
+  both, the cost is first use (kernels, shapes), not the allocator.
+- `alloc`: the allocator alone, both ways: tensors of growing size (0.25 to 24 GiB in 96 steps), each freed
+  before the next, as length-sorted evaluation batches allocate.
+- `save`: writing 16 GiB of bf16 tensors held on the GPU as safetensors: one shard after another (what
+  save_pretrained does), and the same shards from 8 threads (whether safetensors lets threads overlap).
+
+usage (GPU host, after bench_job.py --keep): python3 bench/probe_eval.py --runs /tmp/qlora-job/runs0 --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+
+def _clock(fn: Any) -> tuple[Any, float]:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    value = fn()
+    torch.cuda.synchronize()
+    return value, round(time.perf_counter() - start, 2)
+
+
+def _allocator(mode: str) -> None:
+    import torch
+
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{mode == 'expandable'}")
+
+
+def probe_eval(runs: Path, mode: str) -> dict[str, Any]:
+    import torch
+    from peft import PeftModel
+
+    from tasks.config import EvalArgs
+    from tasks.evaluate_adapter import stage
+    from tasks.evaluate_adapter.generation import generation_tokens, greedy_generate
+    from tasks.examples import ParquetExamples
+    from tasks.runtime import load_for_evaluation, load_tokenizer
+
+    _allocator(mode)
+    model_dir = next(p.parent for p in (runs / "prepare_model").glob("*/manifest.json"))
+    data_dir = next(p.parent for p in (runs / "prepare_data").glob("*/manifest.json"))
+    adapter = next(p.parent for p in (runs / "train_adapter").glob("*/manifest.json")) / "adapter"
+    args = EvalArgs()
+    tokenizer = load_tokenizer(model_dir)
+    model, load_s = _clock(lambda: load_for_evaluation(model_dir, args.dequantize))
+    examples = ParquetExamples(data_dir / "eval.parquet")
+    batches = stage._batches(examples, len(examples), args.per_device_eval_batch_size, model.config.pad_token_id or 0)
+    prompts, _ = stage._held_out(examples, len(examples), args.generation_samples, data_dir)
+    budget = generation_tokens(model, max(b["input_ids"].numel() for b in batches))
+    eos = [tokenizer.eos_token_id]
+
+    def answers(m: Any) -> Any:
+        return greedy_generate(m, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
+                               tokenizer.pad_token_id, eos, budget)
+
+    out: dict[str, Any] = {"mode": mode, "load_s": load_s, "batches": len(batches), "prompts": len(prompts)}
+    (loss, _), out["base_loss_1_s"] = _clock(lambda: stage.mean_loss(model, batches))
+    (loss2, _), out["base_loss_2_s"] = _clock(lambda: stage.mean_loss(model, batches))
+    out["base_loss_equal"] = loss == loss2
+    _, out["base_answers_1_s"] = _clock(lambda: answers(model))
+    _, out["base_answers_2_s"] = _clock(lambda: answers(model))
+    tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
+    _, out["tuned_loss_s"] = _clock(lambda: stage.mean_loss(tuned, batches))
+    _, out["tuned_answers_s"] = _clock(lambda: answers(tuned))
+    stats = torch.cuda.memory_stats()
+    out.update(peak_reserved_gib=round(stats["reserved_bytes.all.peak"] / GIB, 2),
+               segments=stats["segment.all.allocated"], alloc_retries=stats["num_alloc_retries"])
+    return out
+
+
+def probe_alloc(mode: str) -> dict[str, Any]:
+    import torch
+
+    _allocator(mode)
+    sizes = [int(GIB * (0.25 + i * 0.25)) for i in range(96)]
+    torch.ones(1, device="cuda")  # the context, outside the timing
+
+    def grow() -> None:
+        for size in sizes:
+            block = torch.empty(size, dtype=torch.uint8, device="cuda")
+            block[-1] = 1  # touch it: the allocation is real
+            del block
+
+    _, first = _clock(grow)
+    _, second = _clock(grow)
+    return {"mode": mode, "growing_s": first, "again_s": second,
+            "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 2)}
+
+
+def probe_save(folder: Path) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {f"t{i}": torch.randn(128 * 2**20, dtype=torch.bfloat16, device="cuda") for i in range(64)}  # 16 GiB
+    shards = [dict(list(tensors.items())[i:i + 8]) for i in range(0, 64, 8)]  # 2 GiB each
+
+    def write(way: str, threads: int) -> float:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda ix: save_file(ix[1], folder / f"{way}-{ix[0]}.safetensors"), enumerate(shards)))
+        return round(time.perf_counter() - start, 2)
+
+    result = {"gib": 16, "one_after_another_s": write("seq", 1), "eight_threads_s": write("par", 8),
+              "one_after_another_again_s": write("seq", 1)}
+    shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else {"args": args, "error": done.stderr[-3000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, help="a finished job's runs_dir (bench_job.py --keep)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        result = {"eval": lambda: probe_eval(Path(rest[0]), rest[1]), "alloc": lambda: probe_alloc(rest[0]),
+                  "save": lambda: probe_save(Path(rest[0]))}[kind]()
+        print(json.dumps(result), flush=True)
+        return
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    result["alloc"] = [_child(["--child", "alloc", m]) for m in ("expandable", "default")]
+    print(json.dumps(result["alloc"]), flush=True)
+    if args.runs:
+        result["eval"] = [_child(["--child", "eval", str(args.runs), m]) for m in ("expandable", "default")]
+        print(json.dumps(result["eval"]), flush=True)
+    result["save"] = _child(["--child", "save", "/tmp/probe-save"])
+    print(json.dumps(result["save"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,9 @@ Three probes, each in a child process of its own (a fresh CUDA allocator), resul
 - `save`: writing 16 GiB of bf16 tensors held on the GPU as safetensors: one shard after another (what
   save_pretrained does), and the same shards from 8 threads (whether safetensors lets threads overlap).
 
+With --after-training STEPS, only the `eval` probe, in one child that first trains STEPS steps through
+train_adapter (its in-process path: what a run without the GPU pool does before evaluating).
+
 usage (GPU host, after bench_job.py --keep): python3 bench/probe_eval.py --runs /tmp/qlora-job/runs0 --out OUT.json
 """
 
@@ -34,20 +37,21 @@ GIB = 2**30
 def _clock(fn: Any) -> tuple[Any, float]:
     import torch
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: a smoke test
+    sync()
     start = time.perf_counter()
     value = fn()
-    torch.cuda.synchronize()
+    sync()
     return value, round(time.perf_counter() - start, 2)
 
 
 def _allocator(mode: str) -> None:
-    import torch
+    from tasks.runtime import set_expandable_segments
 
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{mode == 'expandable'}")
+    set_expandable_segments(mode == "expandable")
 
 
-def probe_eval(runs: Path, mode: str) -> dict[str, Any]:
+def probe_eval(runs: Path, mode: str, train_steps: int = 0) -> dict[str, Any]:
     import torch
     from peft import PeftModel
 
@@ -61,6 +65,16 @@ def probe_eval(runs: Path, mode: str) -> dict[str, Any]:
     model_dir = next(p.parent for p in (runs / "prepare_model").glob("*/manifest.json"))
     data_dir = next(p.parent for p in (runs / "prepare_data").glob("*/manifest.json"))
     adapter = next(p.parent for p in (runs / "train_adapter").glob("*/manifest.json")) / "adapter"
+    out: dict[str, Any] = {"mode": mode}
+    if train_steps:  # first train in this process, as a run without the GPU pool does before evaluating
+        from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+        from tasks.train_adapter.stage import train_adapter
+
+        start = time.perf_counter()
+        trained = train_adapter.fn(LoraArgs(), TrainArgs(max_steps=train_steps, save_steps=10**6), SpeedArgs(),
+                                   runs, str(data_dir), str(model_dir))
+        adapter = Path(trained) / "adapter"
+        out.update(train_steps=train_steps, train_s=round(time.perf_counter() - start, 1))
     args = EvalArgs()
     tokenizer = load_tokenizer(model_dir)
     model, load_s = _clock(lambda: load_for_evaluation(model_dir, args.dequantize))
@@ -74,7 +88,7 @@ def probe_eval(runs: Path, mode: str) -> dict[str, Any]:
         return greedy_generate(m, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
                                tokenizer.pad_token_id, eos, budget)
 
-    out: dict[str, Any] = {"mode": mode, "load_s": load_s, "batches": len(batches), "prompts": len(prompts)}
+    out.update(load_s=load_s, batches=len(batches), prompts=len(prompts))
     (loss, _), out["base_loss_1_s"] = _clock(lambda: stage.mean_loss(model, batches))
     (loss2, _), out["base_loss_2_s"] = _clock(lambda: stage.mean_loss(model, batches))
     out["base_loss_equal"] = loss == loss2
@@ -83,9 +97,9 @@ def probe_eval(runs: Path, mode: str) -> dict[str, Any]:
     tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
     _, out["tuned_loss_s"] = _clock(lambda: stage.mean_loss(tuned, batches))
     _, out["tuned_answers_s"] = _clock(lambda: answers(tuned))
-    stats = torch.cuda.memory_stats()
-    out.update(peak_reserved_gib=round(stats["reserved_bytes.all.peak"] / GIB, 2),
-               segments=stats["segment.all.allocated"], alloc_retries=stats["num_alloc_retries"])
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    out.update(peak_reserved_gib=round(stats.get("reserved_bytes.all.peak", 0) / GIB, 2),
+               segments=stats.get("segment.all.allocated"), alloc_retries=stats.get("num_alloc_retries"))
     return out
 
 
@@ -139,15 +153,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, help="a finished job's runs_dir (bench_job.py --keep)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--after-training", type=int, default=0, metavar="STEPS",
+                        help="only: train STEPS steps in the eval child first (default allocator), then evaluate")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = {"eval": lambda: probe_eval(Path(rest[0]), rest[1]), "alloc": lambda: probe_alloc(rest[0]),
+        result = {"eval": lambda: probe_eval(Path(rest[0]), rest[1], int(rest[2]) if rest[2:] else 0),
+                  "alloc": lambda: probe_alloc(rest[0]),
                   "save": lambda: probe_save(Path(rest[0]))}[kind]()
         print(json.dumps(result), flush=True)
         return
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    if args.after_training:
+        result["eval"] = [_child(["--child", "eval", str(args.runs), "default", str(args.after_training)])]
+        print(json.dumps(result["eval"]), flush=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
     result["alloc"] = [_child(["--child", "alloc", m]) for m in ("expandable", "default")]
     print(json.dumps(result["alloc"]), flush=True)
     if args.runs:

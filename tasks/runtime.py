@@ -277,8 +277,16 @@ def allocator_restored() -> Iterator[None]:
         if torch.cuda.is_available():
             release_device_memory()  # the segments are unmapped before the allocator changes mode
             conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
-            torch.cuda.memory._set_allocator_settings(
-                f"expandable_segments:{'True' if 'expandable_segments:True' in conf else 'False'}")
+            set_expandable_segments("expandable_segments:True" in conf)
+
+
+def set_expandable_segments(on: bool) -> None:
+    """Turn the CUDA caching allocator's expandable segments on or off for this process (new segments only)."""
+    import torch
+
+    # torch 2.10 moved the setter (the old name warns, FutureWarning, on every call)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(f"expandable_segments:{on}")
 
 
 def release_device_memory() -> None:

@@ -16,6 +16,7 @@ from tasks.errors import UserError
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
 from tasks.model_dims import model_dims
+from tasks.runtime import set_expandable_segments
 from tasks.train_adapter.attention import use_packed_attention
 from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
@@ -109,7 +110,7 @@ def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
     applied = []
     model.config.use_cache = False  # with a cache, transformers ignores packed position ids when masking
     if torch.cuda.is_available():  # fewer half-empty segments: reserved memory stays near allocated
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        set_expandable_segments(True)
     if apply_liger(model, speed.use_liger_kernel):
         applied.append("liger")
     if speed.mlp_chunk_tokens:

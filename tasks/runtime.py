@@ -263,12 +263,9 @@ def dequantize_in_place(model: Any) -> Any:
 @contextmanager
 def allocator_restored() -> Iterator[None]:
     """Run training, then put back the CUDA allocator setting it changed: training turns on expandable segments
-    (train_adapter/plan.py prepare_base: reserved memory stays near allocated), a process-wide setting.
-
-    Why back: in a run without the GPU pool, evaluate_adapter and export_adapter run in this process after training.
-    With expandable segments every new peak maps physical memory in small pages, and evaluation's loss and
-    generation batches grow batch after batch (length-sorted): on the H200 the base model's loss pass, the first,
-    took 3.8 times the tuned one's on the same batches (bench/README.md, "Issue 24, fourth pass")."""
+    (train_adapter/plan.py prepare_base: reserved memory stays near allocated), a process-wide setting that
+    evaluate_adapter and export_adapter, in the same process in a run without the GPU pool, did not choose.
+    (Measured on the H200, neither setting changes evaluation's time in a fresh process: bench/README.md.)"""
     try:
         yield
     finally:

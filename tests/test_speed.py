@@ -425,3 +425,31 @@ def test_the_optimizer_defaults_to_fused_adamw_on_a_gpu_and_8bit_elsewhere(monke
     assert chosen() == "adamw_torch_fused"  # DDP
     assert chosen(fsdp=True) == "adamw_torch"
     assert chosen(fsdp=True, optim="paged_adamw_8bit") == "adamw_torch"  # bitsandbytes cannot update shards
+
+
+def test_module_level_patches_are_undone_after_training() -> None:
+    """Liger, given a model instance, still replaces module-level names of its family's modeling module (read from
+    liger-kernel 0.8.5: modeling_llama.LlamaRMSNorm, LlamaMLP, apply_rotary_pos_emb), which every Llama loaded later
+    in the process would be built from. liger.patches_undone puts back what liger.recorded saw replaced; liger
+    itself needs a GPU, so a patch of the same kind stands in for its call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from tasks.train_adapter import liger
+
+    original = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP, modeling_llama.apply_rotary_pos_emb)
+
+    class Replacement(modeling_llama.LlamaRMSNorm):
+        pass
+
+    def patch() -> None:
+        modeling_llama.LlamaRMSNorm = Replacement
+        modeling_llama.apply_rotary_pos_emb = lambda *args, **kwargs: args[:2]
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    with liger.patches_undone():
+        liger.recorded(patch)
+        assert isinstance(LlamaForCausalLM(config).model.norm, Replacement)  # the patch reaches new models
+    assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP, modeling_llama.apply_rotary_pos_emb) == original
+    assert type(LlamaForCausalLM(config).model.norm) is original[0]

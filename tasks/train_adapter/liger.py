@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tasks.log import logger
+
+# (module, attribute, value before Liger) for every module-level name Liger replaced in this process
+_REPLACED: list[tuple[Any, str, Any]] = []
 
 
 def apply_liger(model: Any, wanted: bool | None) -> bool:
@@ -29,9 +35,41 @@ def apply_liger(model: Any, wanted: bool | None) -> bool:
                           model.config.model_type)
             return False
 
-        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
+        recorded(lambda: _apply_liger_kernel_to_instance(
+            model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False))
     except Exception as exc:  # an incompatible liger/transformers pair must not stop training
         logger().warning("train_adapter: Liger kernels not applied (%s: %s)", type(exc).__name__, exc)
         return False
     return True
+
+
+def recorded(patch: Callable[[], Any]) -> None:
+    """Run `patch`, noting every module-level name of transformers' modeling modules it replaced (patches_undone)."""
+    before = _modeling_modules()
+    patch()
+    _REPLACED.extend((sys.modules[name], key, value) for name, saved in before.items()
+                     for key, value in saved.items() if vars(sys.modules[name]).get(key) is not value)
+
+
+def _modeling_modules() -> dict[str, dict[str, Any]]:
+    """A shallow copy of the namespace of every transformers modeling module loaded now."""
+    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
+            if name.startswith("transformers.models.") and ".modeling_" in name and module is not None}
+
+
+@contextmanager
+def patches_undone() -> Iterator[None]:
+    """Train inside; afterwards the modeling modules are as before Liger patched them.
+
+    Why: given a model instance, Liger still replaces module-level names (Llama's LlamaRMSNorm, LlamaMLP and
+    apply_rotary_pos_emb in modeling_llama), so every model of that family loaded later in the process is built
+    with Liger's Triton modules. In a run without the GPU pool, evaluate_adapter and export_adapter load the model in
+    the training process: they then evaluated with other kernels than a run whose training was cached (numbers that
+    depend on the cache), and each new batch shape compiled Triton kernels (on the H200 the base model's first loss
+    pass took 3.8 times the tuned one's: bench/README.md, "Issue 24, fourth pass")."""
+    try:
+        yield
+    finally:
+        while _REPLACED:
+            module, key, value = _REPLACED.pop()  # the latest first: a name patched twice gets its first value
+            setattr(module, key, value)

@@ -27,7 +27,7 @@ from tasks.exports import resolve_adapter
 from tasks.limits import cpu_share, gpu_slot
 from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, files_fingerprint, open_stage, read_manifest
 from tasks.runtime import allocator_restored
-from tasks.train_adapter import launch, parallel, preference
+from tasks.train_adapter import launch, liger, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save
 
@@ -78,7 +78,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                                         threads)
             else:
                 fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
-                with allocator_restored():  # evaluate_adapter may run next in this process
+                # evaluate_adapter and export_adapter may run next in this process: put its state back
+                with allocator_restored(), liger.patches_undone():
                     metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited, "devices": devices,

@@ -431,3 +431,22 @@ def test_token_budget_groups_make_a_steps_loss_the_mean_over_its_pairs(pairs: di
     for name, grad in grads.items():
         param = dict(packed.model.named_parameters())[name]
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-6)
+
+
+
+@pytest.mark.slow
+def test_dpo_on_two_processes_trains_equal_micro_batches(pairs: dict[str, str], tmp_path: Path) -> None:
+    """TRL gathers each step's per-pair metrics (rewards, margins) from every process, which needs as many pairs on
+    each: with groups sized in tokens (speed.max_tokens_per_batch; the memory plan's on a GPU) the two gloo
+    processes' all_gather shapes differed (3 against 2) and training failed. With several processes DPO trains
+    micro-batches of per_device_train_batch_size pairs."""
+    from tasks.manifest import read_manifest
+    from tasks.train_adapter import launch
+    from tasks.train_adapter.stage import train_adapter
+
+    lora, train, speed = _sections(["train.method=dpo", "train.max_steps=2", "train.per_device_train_batch_size=2",
+                                    "speed.num_gpus=2", "speed.max_tokens_per_batch=200"])
+    folder = Path(train_adapter.fn(lora, train, speed, tmp_path, pairs["data"], pairs["model"]))
+    metrics = read_manifest(folder).metrics.model_dump()
+    assert (metrics["processes"], metrics["optimizer_steps"], metrics["method"]) == (2, 2, "dpo")
+    assert "micro-batches of 2 pairs on every process" in (folder / launch.LOG).read_text()

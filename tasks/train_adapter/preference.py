@@ -12,9 +12,9 @@ Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reason
   row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
   KL passes alike. Where a token budget is set (the memory plan's on a GPU, speed.max_tokens_per_batch), DPO's
   micro-batches are groups of whole pairs sized in tokens (prompt + chosen and prompt + rejected), like SFT's
-  packs, and a step's loss is the mean over its pairs; without one, per_device_train_batch_size pairs drawn as
-  TRL's padded path draws them (the same pairs in every step). KTO keeps per_device_train_batch_size answers per
-  micro-batch (its KL term pairs neighbours within one).
+  packs, and a step's loss is the mean over its pairs (one process only: _grouped); without one, or with several
+  processes, per_device_train_batch_size pairs drawn as TRL's padded path draws them (the same pairs in every
+  step). KTO keeps per_device_train_batch_size answers per micro-batch (its KL term pairs neighbours within one).
 - the memory plan (memory_plan.py, on a GPU with packing): DPO's group size, the recomputed layers and the
   offloads for speed.gpu_memory_budget_gb; for KTO the recomputed layers and offloads at its micro-batch. The
   output layer stays on the GPU (TRL's fused LM head reads it there).
@@ -162,11 +162,14 @@ def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:
     padded path draws them, so both train on the same pairs in every optimizer step and log the same losses
     (padding-free still runs each micro-batch as one row). Fixed groups of that many pairs from packs.py's shuffle
     were no faster and trained on other pairs, with the 1-pair remainder group anywhere in the epoch. KTO keeps its
-    micro-batch of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt."""
+    micro-batch of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt.
+    Neither with several processes (speed.num_gpus): TRL gathers each step's per-pair metrics (rewards, margins,
+    accuracies) from every process with all_gather, which needs as many pairs on each, and groups sized in tokens
+    hold different numbers (two gloo processes failed there, on shapes 3 against 2)."""
     import torch
 
     budget = torch.cuda.is_available() or speed.max_tokens_per_batch is not None
-    return speed.packing and train.method == "dpo" and budget
+    return speed.packing and train.method == "dpo" and budget and not plan.several_processes()
 
 
 def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: Any) -> plan.MicroBatches:
@@ -184,6 +187,10 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     base = model.get_base_model()
     lengths = _lengths(dataset, train.method)
     grouped = _grouped(train, speed)
+    if speed.packing and train.method == "dpo" and plan.several_processes():
+        logger().info("train_adapter (dpo): micro-batches of %d pairs on every process, not groups sized in tokens "
+                      "(TRL gathers per-pair metrics across processes, which needs as many pairs on each)",
+                      train.per_device_train_batch_size)
     memory = None
     if torch.cuda.is_available() and speed.packing:
         pinned = None if grouped else train.per_device_train_batch_size * max(lengths)

@@ -337,3 +337,28 @@ def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, 
     assert len(by_length([len(p) + 12 for p in prompts], 8, budget)) == 1 < len(by_length(
         [len(p) + 12 for p in prompts], 1))
     assert greedy_generate(model, prompts, 8, 12, 0, eos, budget) == batched
+
+
+def test_base_results_are_remembered_for_the_next_adapter(trained: dict[str, Any], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """An evaluation leaves the base model's results in runs_dir/evaluate_adapter/.memo; the next adapter's, on the
+    same eval data, model and settings, takes them from there (one log line) instead of computing them again, and
+    writes the metrics and samples that a fresh evaluation in another runs_dir computes, byte for byte."""
+    monkeypatch.setenv("QLORA_CPU_THREADS", "1")  # the same threads every time: a CPU's digits can depend on them
+    runs, data, model = tmp_path / "runs", trained["data"], trained["model"]
+    other = train_adapter.fn(LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=2, logging_steps=1), SpeedArgs(),
+                             runs, data, model)
+    evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), runs, data, model, trained["adapter"])
+    assert len(list((runs / "evaluate_adapter" / ".memo").glob("*/base.json"))) == 1
+    with caplog.at_level(logging.INFO):
+        remembered = Path(evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), runs, data, model, other))
+    assert "base model: eval loss" in caplog.text and "as an earlier run computed them" in caplog.text
+    fresh = Path(evaluate_adapter.fn(EvalArgs(**SMALL_EVAL), tmp_path / "fresh", data, model, other))
+    for name in ("metrics.json", "samples.jsonl"):
+        assert (remembered / name).read_bytes() == (fresh / name).read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # other settings: other batches and answers, computed
+        evaluate_adapter.fn(EvalArgs(**{**SMALL_EVAL, "max_new_tokens": 4}), runs, data, model, other)
+    assert "as an earlier run computed them" not in caplog.text
+    assert len(list((runs / "evaluate_adapter" / ".memo").glob("*/base.json"))) == 2

@@ -17,7 +17,9 @@ champion means a new evaluation; an adapter already published is judged against 
 against then (tasks/registry.py judged_against), so a re-run after its own promotion stays cached. Writes
 metrics.json, samples.jsonl (prompt, reference, base, tuned and champion answers, their scores),
 lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go to
-a Prefect table artifact.
+a Prefect table artifact. The base model's and the champion's results are also kept in
+runs_dir/evaluate_adapter/.memo/ (_memo), where the next evaluation on the same eval data, model and settings takes
+them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 
-from tasks import artifacts, registry
+from tasks import artifacts, disk, registry
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
@@ -114,8 +117,9 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
         logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
                       "model then base + adapter", count, len(batches), len(prompts))
-        results = _evaluate_all(model, Path(adapter_dir) / "adapter", rival, tokenizer, batches, prompts, args,
-                                run_lm_eval)
+        memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, getattr(model, "is_loaded_in_4bit", False))
+        results = _evaluate_all(model, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if judged
+                                else None, tokenizer, batches, prompts, args, run_lm_eval, memo)
         del model  # the dequantized copy (or the 4-bit model) is not needed past this point
         release_device_memory()
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
@@ -156,18 +160,67 @@ def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
-def _evaluate_all(model: Any, adapter: Path, rival: Path | None, tokenizer: Any, batches: list[dict[str, Any]],
-                  prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool) -> dict[str, dict[str, Any]]:
-    """base, tuned and (with a rival) champion results on one 4-bit base: the adapters attached by name."""
+def _evaluate_all(model: Any, adapter: Path, rival: tuple[Path, str | None] | None, tokenizer: Any,
+                  batches: list[dict[str, Any]], prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool,
+                  memo: Path | None) -> dict[str, dict[str, Any]]:
+    """base, tuned and (with a rival: its folder and identity) champion results on one base, the adapters attached
+    by name; the base's and the champion's taken from `memo` when an earlier evaluation left them there."""
     from peft import PeftModel
 
-    results = {"base": _evaluate("base", model, tokenizer, batches, prompts, args, run_lm_eval)}
+    results = {"base": _remembered(memo, "base", lambda: _evaluate("base", model, tokenizer, batches, prompts, args,
+                                                                      run_lm_eval))}
     tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
     results["tuned"] = _evaluate("tuned", tuned, tokenizer, batches, prompts, args, run_lm_eval)
     if rival is not None:
-        tuned.load_adapter(rival, adapter_name="champion")
-        tuned.set_adapter("champion")
-        results["champion"] = _evaluate("champion", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+        folder, identity = rival
+
+        def champion() -> dict[str, Any]:
+            tuned.load_adapter(folder, adapter_name="champion")
+            tuned.set_adapter("champion")
+            return _evaluate("champion", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+
+        results["champion"] = _remembered(memo if identity else None, f"champion-{identity}", champion)
+    return results
+
+
+def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4bit: bool) -> Path | None:
+    """Where this evaluation's base and champion results are remembered: one folder per (eval.parquet's bytes, the
+    4-bit model, the eval settings, whether it evaluates in 4 bits, this code's VERSION, the device), under
+    runs_dir/evaluate_adapter/.memo.
+
+    Why: a nightly run trains a new adapter, but on a fixed eval set (data.eval_source) the base model's and the
+    champion's numbers are the same every night (evaluation is deterministic: the same batches and greedy prompts);
+    only the tuned adapter needs computing. On the H200 the base model's loss and answers were 9.0 of
+    evaluate_adapter's 16.9 s (bench/README.md, "Issue 24, fourth pass"). The device is in the key: a GPU's
+    kernels give other last digits than the CPU's, and a CPU's can change with its number of threads. None when
+    prepare_data recorded no hash of eval.parquet."""
+    import hashlib
+
+    import torch
+
+    digest = (read_manifest(data_dir).hashes or {}).get("eval.parquet")
+    if not digest:
+        return None
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
+              "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
+    return runs_dir / "evaluate_adapter" / ".memo" / hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()
+                                                                   ).hexdigest()[:16]
+
+
+def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`who`'s results from the memo folder, else computed and written there whole."""
+    path = memo / f"{who}.json" if memo is not None else None
+    if path is not None and path.is_file():
+        results = json.loads(path.read_text())
+        logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens and its %d answers, as an "
+                      "earlier run computed them on the same eval data, model and settings (%s)", who.split("-")[0],
+                      results["loss"], results["tokens"], len(results["answers"]), path)
+        return results
+    results = compute()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        disk.write_whole(path, json.dumps(results, default=str))
     return results
 
 

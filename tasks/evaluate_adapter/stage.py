@@ -50,7 +50,15 @@ from tasks.evaluate_adapter.generation import (
 from tasks.examples import ParquetExamples, pad_collator
 from tasks.limits import cpu_share
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
+from tasks.manifest import (
+    PREFERENCE_FORMATS,
+    DataMetrics,
+    StageSpec,
+    hash_json,
+    open_stage,
+    read_manifest,
+    upstream_key,
+)
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
@@ -194,8 +202,6 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
     evaluate_adapter's 16.9 s (bench/README.md, "Issue 24, fourth pass"). The device is in the key: a GPU's
     kernels give other last digits than the CPU's, and a CPU's can change with its number of threads. None when
     prepare_data recorded no hash of eval.parquet."""
-    import hashlib
-
     import torch
 
     digest = (read_manifest(data_dir).hashes or {}).get("eval.parquet")
@@ -204,8 +210,7 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
               "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
-    return runs_dir / "evaluate_adapter" / ".memo" / hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()
-                                                                   ).hexdigest()[:16]
+    return runs_dir / "evaluate_adapter" / ".memo" / hash_json(inputs)[:16]
 
 
 def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -120,3 +120,40 @@ def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threa
         sorted((p.name, "0" * 64) for p in files)).encode()).hexdigest()
     (tmp_path / INPUT_HASH_MEMO).write_text(json.dumps(memo))
     assert model_spec(config.model, tmp_path).key == key
+
+
+def _tiny_model() -> object:
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import EMBEDDED_MODEL
+
+    return AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL)
+
+
+def test_shards_written_and_hashed_at_once_equal_a_plain_save(tmp_path: Path) -> None:
+    from tasks import manifest
+    from tasks.shards import hashed_writes
+
+    model = _tiny_model()
+    model.save_pretrained(tmp_path / "plain", max_shard_size="1MB")
+    with hashed_writes():
+        model.save_pretrained(tmp_path / "hashed", max_shard_size="1MB")
+    plain = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert sorted(p.name for p in (tmp_path / "hashed").iterdir()) == plain
+    shards = sorted((tmp_path / "hashed").glob("*.safetensors"))
+    assert len(shards) >= 3  # several in flight at once
+    for name in plain:
+        assert (tmp_path / "hashed" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    for shard in shards:  # remembered from the bytes written, for the manifest: and right
+        assert manifest._FILE_HASH_CACHE[manifest._identity(shard)] == _reference_sha256(shard)
+    model.save_pretrained(tmp_path / "after", max_shard_size="1MB")  # outside, transformers' own writes again
+    assert all(manifest._identity(p) not in manifest._FILE_HASH_CACHE for p in (tmp_path / "after").iterdir())
+
+
+def test_a_failed_shard_write_fails_the_save(tmp_path: Path) -> None:
+    from tasks.shards import hashed_writes
+
+    model = _tiny_model()
+    (tmp_path / "model-00002-of-00005.safetensors").mkdir(parents=True)  # where the second shard goes
+    with pytest.raises(IsADirectoryError), hashed_writes():
+        model.save_pretrained(tmp_path, max_shard_size="1MB")

@@ -255,12 +255,6 @@ def files_fingerprint(paths: list[Path], root: Path | None = None, runs_dir: Pat
     return hash_json(sorted((str(p.relative_to(root)) if root else p.name, hashes[p]) for p in paths))
 
 
-def remember_sha256(path: Path, digest: str) -> None:
-    """Note a file's sha256, known from the bytes just written to it (tasks/shards.py), for this process: a stage's
-    manifest then need not read the file back. Keyed by the file's identity as it is now, like every memo here."""
-    _FILE_HASH_CACHE[_identity(path)] = digest
-
-
 def _identity(path: Path) -> tuple[str, int, int, int, int]:
     """What must stay the same for a memoised hash to hold: a rewrite in place changes mtime_ns (and usually the
     size), a replacement by rename changes the inode, the same path on another mount the device."""

@@ -35,7 +35,6 @@ from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
 from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
-from tasks.shards import hashed_writes
 
 # 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
 # Conv1D layers; 2: registry, merged model, generation metrics
@@ -124,8 +123,7 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     merged_at = time.perf_counter()
     disk.require("export_adapter", out.parents[2], out, merged.get_memory_footprint(),  # out: runs/stage/key/merged
                  f"the merged {args.merged_dtype} model")
-    with hashed_writes():  # each shard hashed from the bytes written, not read back for the manifest
-        merged.save_pretrained(out, max_shard_size=args.max_shard_size)
+    merged.save_pretrained(out, max_shard_size=args.max_shard_size)
     _copy_files(model_dir, out, names=_tokenizer_files(model_dir))
     logger().info("export_adapter: merged %s model (%s) in %s: load %.1fs, dequantize and merge %.1fs, save %.1fs",
                   args.merged_dtype, adapter, out, loaded - start, merged_at - loaded, time.perf_counter() - merged_at)

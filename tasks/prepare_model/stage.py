@@ -23,7 +23,6 @@ from tasks.config import ModelArgs
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage
 from tasks.runtime import compute_dtype, device, load_tokenizer, model_fingerprint, model_path
-from tasks.shards import hashed_writes
 
 VERSION = "2"  # 2: the attention implementation in use recorded in the metrics
 # safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
@@ -55,8 +54,7 @@ def prepare_model(args: ModelArgs, runs_dir: Path) -> str:
         # the checkpoint holds what the 4-bit model holds in memory; the tokenizer files are the source's own
         disk.require("prepare_model", runs_dir, stage.dir, model.get_memory_footprint() + _tokenizer_bytes(source),
                      "the 4-bit checkpoint and its tokenizer")
-        with hashed_writes():  # each shard hashed from the bytes written, not read back for the manifest
-            model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
+        model.save_pretrained(stage.dir, max_shard_size=SHARD_SIZE)
         tokenizer.save_pretrained(stage.dir)
         logger().info("prepare_model: loaded and quantized in %.1fs, saved in %.1fs", loaded - start,
                       time.perf_counter() - loaded)

@@ -15,12 +15,14 @@ from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.run_record import record_run
+from tasks.runtime import freeze_startup_objects
 from tasks.train_adapter.stage import train_adapter
 
 
-# hooks: user errors logged without a traceback; on a failure or a crash, a summary artifact and no task run left
+# hooks: user errors logged without a traceback, the objects alive at the start out of the garbage collector's scans
+# (runtime.freeze_startup_objects); on a failure or a crash, a summary artifact and no task run left
 # Running (the worker runs on_crashed hooks when the flow-run process was killed)
-@flow(name="qlora-pipeline", on_running=[quiet_user_errors], on_failure=[failure_summary],
+@flow(name="qlora-pipeline", on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
       on_crashed=[failure_summary])
 def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: B008 - a pydantic default
     """Fine-tune a causal language model with QLoRA in five cached stages.

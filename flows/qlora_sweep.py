@@ -17,14 +17,16 @@ from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.run_record import record_run
+from tasks.runtime import freeze_startup_objects
 from tasks.train_adapter.stage import train_adapter
 
 
 # The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
 # global state (sweep.training_runner says which). Candidates' trainings go to sweep.training_runner: at once, one
 # per GPU of the pool, where each trains in a child process of its own; one at a time without a pool of devices.
-@flow(name="qlora-sweep", task_runner=ThreadPoolTaskRunner(max_workers=1), on_running=[quiet_user_errors],
-      on_failure=[failure_summary], on_crashed=[failure_summary])
+@flow(name="qlora-sweep", task_runner=ThreadPoolTaskRunner(max_workers=1),
+      on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
+      on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
                 grid: dict[str, list[Any]] | None = None, candidates: list[dict[str, Any]] | None = None
                 ) -> dict[str, Any]:

@@ -362,39 +362,3 @@ def test_base_results_are_remembered_for_the_next_adapter(trained: dict[str, Any
         evaluate_adapter.fn(EvalArgs(**{**SMALL_EVAL, "max_new_tokens": 4}), runs, data, model, other)
     assert "as an earlier run computed them" not in caplog.text
     assert len(list((runs / "evaluate_adapter" / ".memo").glob("*/base.json"))) == 2
-
-
-def test_batches_by_length_come_longest_first() -> None:
-    from tasks.evaluate_adapter.generation import by_length
-
-    lengths = [5, 40, 12, 40, 3, 25, 7]
-    groups = by_length(lengths, 2)  # budget 80 tokens, filled from the shortest: 3, 5, 7, 12; 25, 40; 40
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    padded = [max(lengths[i] for i in g) for g in groups]
-    assert padded == sorted(padded, reverse=True) and groups[0] == [3]
-    assert all(len(g) * max(lengths[i] for i in g) <= 80 for g in groups)
-
-
-def test_the_adapter_loads_the_same_without_initialising_its_layers(trained: dict[str, Any]) -> None:
-    """evaluate_adapter and export_adapter load adapters with low_cpu_mem_usage (no LoRA init before the load):
-    the same weights, dtypes and devices, and the same logits, as peft's default load; 4-bit and dequantized."""
-    import torch
-    from peft import PeftModel
-
-    from tasks.runtime import dequantize_in_place, load_quantized
-
-    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
-    for dequantize in (False, True):
-        loaded = []
-        for fast in (False, True):
-            base = load_quantized(Path(trained["model"]))
-            base = dequantize_in_place(base) if dequantize else base
-            model = PeftModel.from_pretrained(base, Path(trained["adapter"]) / "adapter", low_cpu_mem_usage=fast)
-            lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-            with torch.no_grad():
-                loaded.append((lora, model.eval()(input_ids=ids).logits))
-        (slow, slow_logits), (fast, fast_logits) = loaded
-        assert slow.keys() == fast.keys() and len(slow) > 0
-        for key, value in slow.items():
-            assert (fast[key].dtype, fast[key].device) == (value.dtype, value.device) and torch.equal(fast[key], value)
-        assert torch.equal(fast_logits, slow_logits)

@@ -58,15 +58,9 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 def by_length(lengths: list[int], size: int, budget: int | None = None) -> list[list[int]]:
-    """Indices grouped by length, each group padded to its longest holding at most `budget` tokens (default:
+    """Indices grouped shortest first, each group padded to its longest holding at most `budget` tokens (default:
     `size` times the longest of all `lengths`: as much memory as `size` longest items, fewer groups when most are
-    short); the group of the longest items first.
-
-    Why longest first: the first batch then makes the largest allocations, and torch's caching allocator serves
-    every later, smaller batch from the blocks it keeps. Shortest first, each batch asked for slightly more than
-    the last: a new cudaMalloc per batch. On the H200, right after training had released its 118 GiB, the 8B base
-    model's loss pass over 27 batches then took 6.5 s with the GPU idle most of it, and the same pass on the
-    tuned model, its blocks already cached, 2.9 s (bench/README.md, "Issue 24, fifth pass")."""
+    short)."""
     budget = budget or size * max(lengths, default=0)
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):  # stable: equal lengths keep their order
@@ -74,7 +68,7 @@ def by_length(lengths: list[int], size: int, budget: int | None = None) -> list[
             groups[-1].append(i)  # ascending lengths: item i is the group's longest so far
         else:
             groups.append([i])
-    return groups[::-1]
+    return groups
 
 
 def generation_tokens(model: Any, loss_tokens: int) -> int:

@@ -52,10 +52,9 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path,
     results = {}
     for name in ("base", "tuned", "champion")[:3 if champion else 2]:
         if name == "tuned":  # adapters attached by name to the one base
-            model = PeftModel.from_pretrained(model, adapter_dir / "adapter", adapter_name="tuned",
-                                              low_cpu_mem_usage=True)
+            model = PeftModel.from_pretrained(model, adapter_dir / "adapter", adapter_name="tuned")
         if name == "champion":
-            model.load_adapter(champion, adapter_name="champion", low_cpu_mem_usage=True)
+            model.load_adapter(champion, adapter_name="champion")
             model.set_adapter("champion")
         logps, counts = answer_logps(model, answers, args.per_device_eval_batch_size, pad)
         generated = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens, pad, eos)

@@ -177,15 +177,13 @@ def _evaluate_all(model: Any, adapter: Path, rival: tuple[Path, str | None] | No
 
     results = {"base": _remembered(memo, "base", lambda: _evaluate("base", model, tokenizer, batches, prompts, args,
                                                                       run_lm_eval))}
-    # low_cpu_mem_usage: the saved weights go straight in, without first initialising LoRA layers the load would
-    # overwrite (1-2 s for an 8B model's 224 layers on the H200 host: bench/README.md, "Issue 24, fifth pass")
-    tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned", low_cpu_mem_usage=True)
+    tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
     results["tuned"] = _evaluate("tuned", tuned, tokenizer, batches, prompts, args, run_lm_eval)
     if rival is not None:
         folder, identity = rival
 
         def champion() -> dict[str, Any]:
-            tuned.load_adapter(folder, adapter_name="champion", low_cpu_mem_usage=True)
+            tuned.load_adapter(folder, adapter_name="champion")
             tuned.set_adapter("champion")
             return _evaluate("champion", tuned, tokenizer, batches, prompts, args, run_lm_eval)
 

@@ -119,8 +119,7 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     loaded = time.perf_counter()
     conv1d = _conv1d_names(quantized)
     base = quantized.dequantize().to(getattr(torch, args.merged_dtype))
-    adapted = PeftModel.from_pretrained(base, adapter, low_cpu_mem_usage=True)  # no LoRA init before the load
-    merged = _restore_conv1d(adapted.merge_and_unload(), conv1d)
+    merged = _restore_conv1d(PeftModel.from_pretrained(base, adapter).merge_and_unload(), conv1d)
     merged_at = time.perf_counter()
     disk.require("export_adapter", out.parents[2], out, merged.get_memory_footprint(),  # out: runs/stage/key/merged
                  f"the merged {args.merged_dtype} model")

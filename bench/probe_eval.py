@@ -15,6 +15,12 @@ Three probes, each in a child process of its own (a fresh CUDA allocator), resul
 With --after-training STEPS, only the `eval` probe, in one child that first trains STEPS steps through
 train_adapter (its in-process path: what a run without the GPU pool does before evaluating).
 
+With --sdpa, only the `eval` probe, twice, each child with CUDA_CACHE_DISABLE=1 (no kernels compiled at run time
+are kept on disk between processes: every child is a machine's first process): torch's default attention
+backends, then `sdpa_kernel` without CUDNN_ATTENTION; each records the backend torch picks for a padded batch
+(`torch._fused_sdp_choice`). It tests the fifth pass's lead (bench/README.md): the base model's slow first loss
+pass on a fresh machine is cuDNN attention compiling a graph per new shape.
+
 usage (GPU host, after bench_job.py --keep): python3 bench/probe_eval.py --runs /tmp/qlora-job/runs0 --out OUT.json
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -51,9 +58,10 @@ def _allocator(mode: str) -> None:
     set_expandable_segments(mode == "expandable")
 
 
-def probe_eval(runs: Path, mode: str, train_steps: int = 0) -> dict[str, Any]:
+def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "default") -> dict[str, Any]:
     import torch
     from peft import PeftModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tasks.config import EvalArgs
     from tasks.evaluate_adapter import stage
@@ -65,7 +73,9 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0) -> dict[str, Any]:
     model_dir = next(p.parent for p in (runs / "prepare_model").glob("*/manifest.json"))
     data_dir = next(p.parent for p in (runs / "prepare_data").glob("*/manifest.json"))
     adapter = next(p.parent for p in (runs / "train_adapter").glob("*/manifest.json")) / "adapter"
-    out: dict[str, Any] = {"mode": mode}
+    out: dict[str, Any] = {"mode": mode, "attention": attention}
+    if attention == "no-cudnn":  # the rest of the process: torch's other fused backends, math last
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]).__enter__()
     if train_steps:  # first train in this process, as a run without the GPU pool does before evaluating
         from tasks.config import LoraArgs, SpeedArgs, TrainArgs
         from tasks.train_adapter.stage import train_adapter
@@ -88,7 +98,7 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0) -> dict[str, Any]:
         return greedy_generate(m, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
                                tokenizer.pad_token_id, eos, budget)
 
-    out.update(load_s=load_s, batches=len(batches), prompts=len(prompts))
+    out.update(load_s=load_s, batches=len(batches), prompts=len(prompts), sdpa_choice=_sdpa_choice(model))
     (loss, _), out["base_loss_1_s"] = _clock(lambda: stage.mean_loss(model, batches))
     (loss2, _), out["base_loss_2_s"] = _clock(lambda: stage.mean_loss(model, batches))
     out["base_loss_equal"] = loss == loss2
@@ -101,6 +111,18 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0) -> dict[str, Any]:
     out.update(peak_reserved_gib=round(stats.get("reserved_bytes.all.peak", 0) / GIB, 2),
                segments=stats.get("segment.all.allocated"), alloc_retries=stats.get("num_alloc_retries"))
     return out
+
+
+def _sdpa_choice(model: Any) -> str:
+    """The backend scaled_dot_product_attention picks for an evaluation-like padded batch on the model's device."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    q = k = v = torch.zeros(4, heads, 200, dim, device=device, dtype=dtype)
+    mask = torch.ones(4, 1, 200, 200, device=device, dtype=torch.bool).tril()
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, False)).name
 
 
 def probe_alloc(mode: str) -> dict[str, Any]:
@@ -143,8 +165,9 @@ def probe_save(folder: Path) -> dict[str, Any]:
     return result
 
 
-def _child(args: list[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT)
+def _child(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if done.returncode == 0 and lines else {"args": args, "error": done.stderr[-3000:]}
 
@@ -155,16 +178,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--after-training", type=int, default=0, metavar="STEPS",
                         help="only: train STEPS steps in the eval child first (default allocator), then evaluate")
+    parser.add_argument("--sdpa", action="store_true", help="only: the eval probe with and without cuDNN attention, "
+                        "each child with CUDA_CACHE_DISABLE=1")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = {"eval": lambda: probe_eval(Path(rest[0]), rest[1], int(rest[2]) if rest[2:] else 0),
+        result = {"eval": lambda: probe_eval(Path(rest[0]), rest[1], int(rest[2]) if rest[2:] else 0,
+                                             rest[3] if rest[3:] else "default"),
                   "alloc": lambda: probe_alloc(rest[0]),
                   "save": lambda: probe_save(Path(rest[0]))}[kind]()
         print(json.dumps(result), flush=True)
         return
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    if args.sdpa:
+        result["eval"] = [_child(["--child", "eval", str(args.runs), "default", "0", a], {"CUDA_CACHE_DISABLE": "1"})
+                          for a in ("default", "no-cudnn")]
+        print(json.dumps(result["eval"]), flush=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
     if args.after_training:
         result["eval"] = [_child(["--child", "eval", str(args.runs), "default", str(args.after_training)])]
         print(json.dumps(result["eval"]), flush=True)

@@ -17,9 +17,10 @@ train_adapter (its in-process path: what a run without the GPU pool does before 
 
 With --sdpa, only the `eval` probe, twice, each child with CUDA_CACHE_DISABLE=1 (no kernels compiled at run time
 are kept on disk between processes: every child is a machine's first process): torch's default attention
-backends, then `sdpa_kernel` without CUDNN_ATTENTION; each records the backend torch picks for a padded batch
-(`torch._fused_sdp_choice`). It tests the fifth pass's lead (bench/README.md): the base model's slow first loss
-pass on a fresh machine is cuDNN attention compiling a graph per new shape.
+backends, then with cuDNN attention turned off (torch.backends.cuda.enable_cudnn_sdp(False)); each records the
+backend torch picks for a padded batch (`torch._fused_sdp_choice`). It tests the fifth pass's lead
+(bench/README.md): the base model's slow first loss pass on a fresh machine is cuDNN attention compiling a graph
+per new shape.
 
 usage (GPU host, after bench_job.py --keep): python3 bench/probe_eval.py --runs /tmp/qlora-job/runs0 --out OUT.json
 """
@@ -61,7 +62,6 @@ def _allocator(mode: str) -> None:
 def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "default") -> dict[str, Any]:
     import torch
     from peft import PeftModel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tasks.config import EvalArgs
     from tasks.evaluate_adapter import stage
@@ -74,8 +74,8 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "de
     data_dir = next(p.parent for p in (runs / "prepare_data").glob("*/manifest.json"))
     adapter = next(p.parent for p in (runs / "train_adapter").glob("*/manifest.json")) / "adapter"
     out: dict[str, Any] = {"mode": mode, "attention": attention}
-    if attention == "no-cudnn":  # the rest of the process: torch's other fused backends, math last
-        sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]).__enter__()
+    if attention == "no-cudnn":  # for the rest of this child: torch's other fused backends, math last
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if train_steps:  # first train in this process, as a run without the GPU pool does before evaluating
         from tasks.config import LoraArgs, SpeedArgs, TrainArgs
         from tasks.train_adapter.stage import train_adapter

@@ -291,8 +291,8 @@ def freeze_startup_objects(*_hook_args: object, **_hook_kwargs: object) -> None:
     functions) leaves the garbage collector's reach (gc.freeze), once per process.
 
     Why: release_device_memory's gc.collect(), which frees a model held in reference cycles, scanned them all at
-    every call: 0.6 s per call on a 2-core CPU host here (0.2 s after the freeze), about 0.9 s on the H200 host,
-    three to four calls per run, and as much for each full collection Python starts on its own. Frozen objects
+    every call: 0.6 s per call on a 2-core CPU host here (0.2 s after the freeze), about 0.9 s on the H200 host
+    (py-spy, bench/README.md "Issue 24, fifth pass"), three to four calls per run. Frozen objects
     that later become garbage in a cycle are never freed: harmless for what exists at a flow's start, unless a
     GPU already holds tensors (a notebook with a model loaded), and then the freeze steps aside."""
     import gc

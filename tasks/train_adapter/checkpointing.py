@@ -13,6 +13,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from tasks.log import logger
+from tasks.train_adapter import recompute_skip
 from tasks.train_adapter.parallel import several_processes
 
 if TYPE_CHECKING:
@@ -62,9 +63,10 @@ def _offload_function() -> Any:
                 torch.set_rng_state(cpu_rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state(cuda_rng, ctx.device)
-                with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=ctx.autocast[0],
-                                                         dtype=ctx.autocast[1]):
+                with recompute_skip.scope("layer", recomputing=True) as seen, torch.enable_grad(), torch.autocast(
+                        ctx.device.type, enabled=ctx.autocast[0], dtype=ctx.autocast[1]):
                     out = ctx.run(hidden)
+            recompute_skip.learn("layer", out, [hidden], seen)
             torch.autograd.backward(out, grad_out)
             return None, hidden.grad
 
@@ -139,17 +141,13 @@ def enable_checkpointing(model: Any, offload: bool, recompute_layers: int | None
     activations in the backward pass, the others keep them. With offload, the checkpointed layers' saved inputs
     live in pinned CPU memory. The first layers, so that the checkpointed ones are neighbours and each fetches
     the input of the one below ahead of time."""
-    import torch.utils.checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if recompute_layers == 0:
         if getattr(model, "is_activation_checkpointing", False):  # an earlier Trainer on the same model enabled it
             model._set_gradient_checkpointing(enable=False)
         return
-    if offload:
-        func = offloaded_checkpoint
-    else:
-        func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    func = offloaded_checkpoint if offload else functools.partial(recompute_skip.checkpoint, "layer")
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for index, layer in enumerate(layers):

@@ -21,6 +21,8 @@ import functools
 import types
 from typing import TYPE_CHECKING, Any
 
+from tasks.train_adapter import recompute_skip
+
 if TYPE_CHECKING:
     import torch
 
@@ -143,7 +145,10 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
         dtype = out_dtype = x.dtype
     else:
         return original(x, *args, **kwargs)  # peft casts between dtypes here; keep its exact rounding
-    return _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype)
+    # a recomputation that never reads this layer's output skips it (recompute_skip.py); not inside a compiled
+    # region, whose graph cannot hold the per-thread scopes (the layer then computes, as it always did)
+    skip = torch.is_grad_enabled() and not torch.compiler.is_compiling() and recompute_skip.skips(base)
+    return _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype, skip)
 
 
 def _base_matmul(base: Any, kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -219,16 +224,20 @@ def _build_function() -> Any:
 
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, base: Any, kind: str,
-                    scale: float, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+                    scale: float, dtype: torch.dtype, out_dtype: torch.dtype, skip: bool = False) -> torch.Tensor:
             shape = x.shape
             x2 = _cast(x.reshape(-1, shape[-1]), dtype)
             a_c, b_c = _weight(a, dtype), _weight(b, dtype)
             xa = torch.mm(x2, a_c.t())  # (tokens, r)
-            out = _base_matmul(base, kind, x2)
-            if out.dtype == dtype:
-                out = out.addmm_(xa, b_c.t(), alpha=scale)
+            setattr(ctx, recompute_skip.SKIPPABLE, base)
+            if skip:  # nothing reads the output (recompute_skip.py): its shape, not its values
+                out = x2.new_empty((x2.shape[0], b.shape[0]), dtype=out_dtype)
             else:
-                out = out + scale * torch.mm(xa, b_c.t())
+                out = _base_matmul(base, kind, x2)
+                if out.dtype == dtype:
+                    out = out.addmm_(xa, b_c.t(), alpha=scale)
+                else:
+                    out = out + scale * torch.mm(xa, b_c.t())
             ctx.base, ctx.kind, ctx.scale, ctx.dtype, ctx.x_dtype, ctx.shape = base, kind, scale, dtype, x.dtype, shape
             ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, xa if ctx.needs_input_grad[2] else None,
                                   a, b)
@@ -248,6 +257,6 @@ def _build_function() -> Any:
                 grad_a = _cast(torch.mm(g_xa.t(), x2), a.dtype)
             if ctx.needs_input_grad[2]:
                 grad_b = _cast(torch.mm(g.t(), xa).mul_(scale), b.dtype)
-            return grad_x, grad_a, grad_b, None, None, None, None, None
+            return grad_x, grad_a, grad_b, None, None, None, None, None, None
 
     return _FusedLoraLinear

@@ -44,7 +44,11 @@ projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close 
   and an MLP-only layer as the MLP's share of a layer's matmul FLOPs, 3 i / (3 i + 2 h + 2 kv) (0.81 for 8B: the
   attention projections q, k, v, o are the rest); a whole-recomputed layer whose MLP runs in chunks recomputes
   the MLP twice (the layer's recomputation runs the chunks' checkpoints, whose backward recomputes them again),
-  so it counts 1 + that share.
+  so it counts 1 + that share. Where recomputation skips the MLP's output projection (speed.recompute_skip, with
+  fused LoRA: recompute_skip.py), each recomputation of an MLP costs that projection's share less, i / (3 i + 2 h
+  + 2 kv) (0.27 for 8B): a whole layer counts 0.73, an MLP-only one 0.54. A family whose layers read the MLP's
+  output again (Gemma 2 and 3 normalise it) skips nothing in a whole layer's recomputation, so the plan is
+  optimistic for it there; its memory predictions do not change.
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ class Choices:
     longest_example: int = 1
     mlp_chunk: int = 0  # speed.mlp_chunk_tokens (0: never)
     recompute_mlp_layers: int | None = None
+    recompute_skip: bool = False  # recomputations skip the MLP's output projection (speed.recompute_skip)
 
 
 def mlp_share(dims: Dims) -> float:
@@ -153,6 +158,11 @@ def mlp_share(dims: Dims) -> float:
     kv (q and o: h x h each; k and v: h x kv each)."""
     kv = dims.kv or dims.hidden
     return 3 * dims.intermediate / (3 * dims.intermediate + 2 * dims.hidden + 2 * kv)
+
+
+def output_projection_share(dims: Dims) -> float:
+    """The MLP's output projection's share of a decoder layer's matmul FLOPs per token: i of 3 i + 2 h + 2 kv."""
+    return mlp_share(dims) / 3
 
 
 def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0) -> int:
@@ -181,11 +191,13 @@ def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0)
     return int(fixed.allocated - offloaded + state + saved + max(ends))
 
 
-def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0) -> float:
-    """Predicted time per token of a plan, relative to no recomputation, no offload and endless packs."""
-    share = mlp_share(dims)
+def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0, skip: bool = False) -> float:
+    """Predicted time per token of a plan, relative to no recomputation, no offload and endless packs; `skip`:
+    recomputations skip the MLP's output projection."""
+    share, skipped = mlp_share(dims), output_projection_share(dims) if skip else 0.0
     chunked = layout.chunk_recomputed and bool(mlp_chunk) and layout.tokens > mlp_chunk
-    recomputed = layout.recompute_layers * (1 + share if chunked else 1) + layout.recompute_mlp_layers * share
+    whole = 1 - skipped + (share - skipped if chunked else 0)
+    recomputed = layout.recompute_layers * whole + layout.recompute_mlp_layers * (share - skipped)
     time = (1 + HOST_TOKENS / layout.tokens) * (1 + RECOMPUTE_COST * recomputed / dims.layers)
     if layout.offload_activations and layout.recompute_layers:
         time += OFFLOAD_ACTIVATIONS_COST * layout.recompute_layers / dims.layers
@@ -229,8 +241,8 @@ def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -
         if fits == len(mlps):
             continue
         layout = group._replace(recompute_mlp_layers=mlps[fits])
-        key = (relative_time(dims, layout, choices.mlp_chunk), predicted_peak(dims, fixed, layout, choices.mlp_chunk),
-               layout)
+        key = (relative_time(dims, layout, choices.mlp_chunk, choices.recompute_skip),
+               predicted_peak(dims, fixed, layout, choices.mlp_chunk), layout)
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:

@@ -18,6 +18,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from tasks.log import logger
+from tasks.train_adapter import recompute_skip
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +88,6 @@ def _wrap(mlp: Any) -> None:
 
 def _mlp_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     import torch
-    import torch.utils.checkpoint
 
     forward, chunk = functools.partial(getattr(mlp, UNWRAPPED), mlp), getattr(mlp, CHUNK)
     chunked = bool(chunk) and x.shape[-2] > chunk
@@ -95,7 +95,7 @@ def _mlp_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
         return forward(x)
     parts = x.split(chunk, dim=-2) if chunked else (x,)
     if torch.is_grad_enabled():
-        outs = [torch.utils.checkpoint.checkpoint(forward, part, use_reentrant=False) for part in parts]
+        outs = [recompute_skip.checkpoint("mlp", forward, part) for part in parts]
     else:  # evaluation: the chunks still bound the memory, nothing to recompute
         outs = [forward(part) for part in parts]
     return torch.cat(outs, dim=-2) if chunked else outs[0]

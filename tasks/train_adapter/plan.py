@@ -17,6 +17,7 @@ from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
 from tasks.model_dims import model_dims
 from tasks.runtime import set_expandable_segments
+from tasks.train_adapter import recompute_skip
 from tasks.train_adapter.attention import use_packed_attention
 from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
@@ -137,16 +138,21 @@ def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
 
     from tasks.train_adapter.fused_lora import fuse_lora_layers
 
-    wanted = speed.fused_lora
-    if wanted is None:  # FSDP shards the base weights that the fused backward reads back
-        wanted = not speed.fsdp
-    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if wanted else []
+    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if fuses_lora(speed) else []
+    recompute_skip.configure(model, speed.recompute_skip)
+    if applied and speed.recompute_skip:
+        applied.append("recomputation skipping the LoRA outputs it does not read")
     dropout = [d.p for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()
                if isinstance(d, torch.nn.Dropout) and d.p > 0]
     if applied and dropout:
         applied.append(f"except in training, where lora_dropout {max(dropout)} keeps peft's own path")
     logger().info("train_adapter: %s", ", ".join(applied) or "peft's own LoRA layers")
     return model
+
+
+def fuses_lora(speed: SpeedArgs) -> bool:
+    """speed.fused_lora, or for None: on, except with FSDP, which shards the base weights the fused backward reads."""
+    return speed.fused_lora if speed.fused_lora is not None else not speed.fsdp
 
 
 def smaller_packs(train: TrainArgs, speed: SpeedArgs, batches: MicroBatches, exc: BaseException
@@ -241,7 +247,8 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
         else False,
         offload_embeddings=speed.offload_embeddings if speed.offload_embeddings is not None or not several
         else False,
-        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0)
+        longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0,
+        recompute_skip=speed.recompute_skip and fuses_lora(speed))
     emb, head = model.get_input_embeddings(), base.get_output_embeddings()
     movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
     head_movable = (output_layer_movable and head is not None and output_layer_offload_unsupported(base) is None

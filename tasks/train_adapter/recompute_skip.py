@@ -83,16 +83,17 @@ def learn(kind: str, outputs: Any, inputs: Sequence[Any], seen: list[Any]) -> No
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     stops = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    # no closures over the graph here: a recursive nested function is a reference cycle, and one that holds autograd
+    # nodes keeps a recomputed layer's saved activations alive until the cyclic collector runs (measured on the GPU:
+    # the first backward pass ran out of memory)
     consumers = _consumers(roots, stops)
-
-    @functools.cache
-    def unused(node: Any) -> bool:  # the node's output reaches the roots only through nodes that save nothing
-        return all(_saves_nothing(c) and unused(c) for c in consumers.get(node, ()))
-
+    unused: dict[Any, bool] = {}
     for node in consumers:
         base = getattr(node, SKIPPABLE, None)
         if base is not None:
-            _verdicts(base)[kind] = unused(node)
+            _verdicts(base)[kind] = _unused(node, consumers, unused)
+    consumers.clear()
+    unused.clear()
     for base in seen:  # met but not in the graph (its output needs no gradient): never skipped
         _verdicts(base).setdefault(kind, False)
 
@@ -142,6 +143,13 @@ def _consumers(roots: list[Any], stops: set[Any]) -> dict[Any, list[Any]]:
                 stack.append(child)
             consumers[child].append(node)
     return consumers
+
+
+def _unused(node: Any, consumers: dict[Any, list[Any]], memo: dict[Any, bool]) -> bool:
+    """Whether the node's output reaches the roots only through nodes that save nothing."""
+    if node not in memo:
+        memo[node] = all(_saves_nothing(c) and _unused(c, consumers, memo) for c in consumers.get(node, ()))
+    return memo[node]
 
 
 def _saves_nothing(node: Any) -> bool:

@@ -24,6 +24,7 @@ them instead of computing them again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -61,8 +62,9 @@ from tasks.manifest import (
 )
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
+# 4: attention without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);
 # 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
-VERSION = "3"
+VERSION = "4"
 
 
 def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
@@ -126,8 +128,9 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
                       "model then base + adapter", count, len(batches), len(prompts))
         memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, getattr(model, "is_loaded_in_4bit", False))
-        results = _evaluate_all(model, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if judged
-                                else None, tokenizer, batches, prompts, args, run_lm_eval, memo)
+        with _without_cudnn_attention():
+            results = _evaluate_all(model, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if
+                                    judged else None, tokenizer, batches, prompts, args, run_lm_eval, memo)
         del model  # the dequantized copy (or the 4-bit model) is not needed past this point
         release_device_memory()
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
@@ -140,6 +143,22 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
                         _NO_SAMPLES)
         stage.finish(outputs, metrics)
         return str(stage.dir)
+
+
+def _without_cudnn_attention() -> contextlib.AbstractContextManager[Any]:
+    """On a GPU: scaled_dot_product_attention without its cuDNN backend (flash, memory-efficient and math stay).
+
+    Why: evaluation's padded batches are masked bf16 calls, for which torch prefers cuDNN on sm90 and newer, and
+    cuDNN builds a graph for every new problem shape (27 loss-batch shapes and a new key length per decoding step
+    in the 8B job); on a machine's first run that cost the base model's loss pass 6.5-9.4 s against 2.5 s
+    (bench/README.md, "Issue 24, fifth pass"). The memory-efficient kernel takes the same masks precompiled."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> list[dict[str, Any]]:

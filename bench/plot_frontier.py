@@ -14,7 +14,9 @@ from pathlib import Path
 def frontier(result: dict) -> list[dict]:
     """(budget, tokens/s, peak, predicted peak, plan) per budget, smallest first: the sweep's budget entries and the
     defaults (the whole card)."""
-    runs = [v for k, v in result.get("pipeline_variants", {}).items() if k.startswith("budget")]
+    # a budget's first entry only: *_noskip turns a lever off for a side-by-side baseline, *_repeat runs a plan again
+    runs = [v for k, v in result.get("pipeline_variants", {}).items()
+            if k.startswith("budget") and not k.split("/")[0].endswith(("_noskip", "_repeat"))]
     runs.append(result["pipeline"])
     # run 4's offloaded layers (reverted: slower than recomputing) are not a plan the code makes
     runs = [r for r in runs if not (r.get("plan") or {}).get("offload_layers")]

@@ -47,7 +47,7 @@ projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close 
   so it counts 1 + that share. Where recomputation skips the MLP's output projection (speed.recompute_skip, with
   fused LoRA: recompute_skip.py), each recomputation of an MLP costs that projection's share less, i / (3 i + 2 h
   + 2 kv) (0.27 for 8B): a whole layer counts 0.73, an MLP-only one 0.54. A family whose layers read the MLP's
-  output again (Gemma 2 and 3 normalise it) skips nothing in a whole layer's recomputation, so the plan is
+  output again (Gemma 2 and 3, OLMo 2 normalise it) skips nothing in a whole layer's recomputation, so the plan is
   optimistic for it there; its memory predictions do not change.
 """
 

@@ -2,8 +2,8 @@
 
 A checkpointed layer runs its forward a second time in the backward pass for one purpose: to rebuild the tensors
 its backward saved. Some results of that rerun are read by nothing. In a pre-norm decoder layer (Llama, Mistral,
-Qwen, Phi-3, GPT-2...) the MLP's output projection feeds only the residual add, and an add saves nothing for its
-backward; in a layer with parallel attention and MLP (Falcon, GPT-NeoX) the attention's output projection does too.
+Qwen 2 and 3, Phi-3) the MLP's output projection feeds only the residual add, and an add saves nothing for its
+backward; in a layer with parallel attention and MLP (GPT-NeoX) the attention's output projection does too.
 Their recomputed products go nowhere: for Llama-3.1-8B, down_proj is i / (3 i + 2 h + 2 kv) = 27% of a layer's
 matmul FLOPs, redone for nothing in every whole-recomputed layer, and a third of what an MLP-only layer recomputes.
 Here the fused LoRA layer (fused_lora.py) skips its base matmul and its LoRA product in such a recomputation and
@@ -15,7 +15,8 @@ kind ("layer": a whole decoder layer; "mlp": an MLP, or a chunk of one) has a gr
 checkpoint's outputs and finds each fused layer whose output reaches them only through nodes that save no tensor
 (adds, casts, views, cat): no backward formula can read its value. Every other consumer counts as a use, custom
 autograd Functions included, so a family that normalises the MLP's output (Gemma 2 and 3: post_feedforward_layernorm
-saves its input) keeps computing it in a whole-layer recomputation. The verdict is kept per kind on the base layer:
+saves its input; OLMo 2 likewise) keeps computing it in a whole-layer recomputation, and so does GPT-2 while its
+residual dropout is on (the dropout saves its mask). The verdict is kept per kind on the base layer:
 Gemma's down_proj is unused when only its MLP recomputes (the MLP's output is then the checkpoint's) and used when
 the whole layer does. Until a verdict exists the layer computes, so an offloaded layer (whose forward runs without
 a graph) learns in its first backward pass and skips from the second.

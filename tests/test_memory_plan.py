@@ -289,3 +289,12 @@ def test_the_plans_mlp_chunks_reach_each_layer() -> None:
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
     base(input_ids=ids, labels=ids).loss.backward()
     assert calls == [1, 6, 6, 1]  # 40 tokens: 3 chunks, each run forward and again in the backward
+
+
+def test_the_cost_model_predicts_the_recompute_skips_measured_gain() -> None:
+    """speed.recompute_skip measured side by side on an H200 (bench/results/2026-12-03-h200-issue24-run7-skip.json
+    and -run6-skip-oom.json): the same plans with the skip and without, each pair in one call."""
+    measured = {Layout(32768, 31, True, False): 11854 / 11108, Layout(8192, 31, True, True, 1): 10549 / 10116}
+    for layout, gain in measured.items():
+        predicted = relative_time(LLAMA8, layout, 16384) / relative_time(LLAMA8, layout, 16384, skip=True)
+        assert predicted == pytest.approx(gain, rel=0.03), layout

@@ -63,6 +63,8 @@ def scope(kind: str, recomputing: bool) -> Iterator[list[Any]]:
 def skips(base: Any) -> bool:
     """Whether the fused layer over `base`, called now with autograd recording, may skip its output: some enclosing
     recomputation does not use it. Notes the base for `learn` where a verdict is missing."""
+    if not _scopes.stack:  # a layer that keeps its activations: no checkpoint around it
+        return False
     skip = False
     verdicts = getattr(base, VERDICTS, None) or {}
     for kind, recomputing, seen in _scopes.stack:

@@ -105,8 +105,9 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
                              "gate falls back to its own night's numbers", why)
         data = read_manifest(Path(data_dir))
         if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
-            metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
-                                                                  Path(adapter_dir), rival)
+            with _without_cudnn_attention():  # its answer batches are padded and masked too
+                metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
+                                                                      Path(adapter_dir), rival)
             metrics.update(_rival(judged))
             tokenizer = load_tokenizer(Path(model_dir))
             samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)

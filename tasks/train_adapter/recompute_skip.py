@@ -95,8 +95,6 @@ def learn(kind: str, outputs: Any, inputs: Sequence[Any], seen: list[Any]) -> No
         base = getattr(node, SKIPPABLE, None)
         if base is not None:
             _verdicts(base)[kind] = _unused(node, consumers, unused)
-    consumers.clear()
-    unused.clear()
     for base in seen:  # met but not in the graph (its output needs no gradient): never skipped
         _verdicts(base).setdefault(kind, False)
 
@@ -151,19 +149,15 @@ def _consumers(roots: list[Any], stops: set[Any]) -> dict[Any, list[Any]]:
 def _unused(node: Any, consumers: dict[Any, list[Any]], memo: dict[Any, bool]) -> bool:
     """Whether the node's output reaches the roots only through nodes that save nothing."""
     if node not in memo:
-        memo[node] = all(_saves_nothing(c) and _unused(c, consumers, memo) for c in consumers.get(node, ()))
+        memo[node] = all(_saves_nothing(type(c)) and _unused(c, consumers, memo) for c in consumers.get(node, ()))
     return memo[node]
 
 
-def _saves_nothing(node: Any) -> bool:
-    """A node whose backward reads no tensor of the forward."""
-    return _type_saves_nothing(type(node))
-
-
 @functools.cache
-def _type_saves_nothing(node_type: type) -> bool:
-    # torch's own nodes list what they save as _raw_saved_* attributes (tensors only); a custom Function's node
-    # has _raw_saved_tensors, so it always counts as reading
+def _saves_nothing(node_type: type) -> bool:
+    """Whether a node of this type reads no tensor of the forward in its backward: torch's own nodes list what they
+    save as _raw_saved_* attributes (tensors only); a custom Function's node has _raw_saved_tensors, so it always
+    counts as reading."""
     return not any(name.startswith("_raw_saved_") for name in dir(node_type))
 
 

@@ -141,7 +141,7 @@ def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
     applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if fuses_lora(speed) else []
     recompute_skip.configure(model, speed.recompute_skip)
     if applied and speed.recompute_skip:
-        applied.append("recomputation skipping the LoRA outputs it does not read")
+        applied.append("recomputation skipping the LoRA outputs it never reads, where the autograd graph shows so")
     dropout = [d.p for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()
                if isinstance(d, torch.nn.Dropout) and d.p > 0]
     if applied and dropout:

@@ -13,7 +13,7 @@ from tasks.export_adapter.stage import export_adapter
 from tasks.exports import check_init_adapter
 from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
-from tasks.prepare_model.stage import prepare_model
+from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
 from tasks.train_adapter.stage import train_adapter
@@ -37,6 +37,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     """
     runs = config.runs_dir
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
+    prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)
     adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)

@@ -15,7 +15,7 @@ from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
-from tasks.prepare_model.stage import prepare_model
+from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
 from tasks.train_adapter.stage import train_adapter
@@ -55,6 +55,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
     track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
+    prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
     with sweep.training_runner() as runner:

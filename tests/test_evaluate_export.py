@@ -254,7 +254,7 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: di
     export_adapter.fn(ExportArgs(name="gate"), tmp_path, *_upstream(trained))
     assert [r["version"] for r in registry.versions(root)] == ["v0001"]
     # new export settings = a new stage key = a new version; the same adapter does not beat itself by 1%
-    second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="2GB"), tmp_path, *_upstream(trained)))
+    second = Path(export_adapter.fn(ExportArgs(name="gate", max_shard_size="1GB"), tmp_path, *_upstream(trained)))
     metrics = read_manifest(second).metrics.model_dump(exclude_unset=True)
     assert metrics["export_version"] == "v0002" and metrics["promotion"] == "rejected"
     assert metrics["promotion_reason"].startswith("tuned eval loss") and "does not beat champion v0001" in (

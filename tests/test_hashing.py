@@ -9,13 +9,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tasks import manifest
 from tasks.config import load_config
-from tasks.manifest import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256
+from tasks.manifest import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256, prefetch_sha256
 from tasks.prepare_data.stage import spec as data_spec
+from tasks.prepare_model.stage import prefetch_fingerprint
 from tasks.prepare_model.stage import spec as model_spec
 from tasks.runtime import TOKENIZER_FILES
 
@@ -120,3 +125,79 @@ def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threa
         sorted((p.name, "0" * 64) for p in files)).encode()).hexdigest()
     (tmp_path / INPUT_HASH_MEMO).write_text(json.dumps(memo))
     assert model_spec(config.model, tmp_path).key == key
+
+
+def _reads(monkeypatch: pytest.MonkeyPatch, hold: Path | None = None, fail_once: bool = False
+           ) -> tuple[list[Path], threading.Event]:
+    """Record every file read for a hash; reads of `hold` wait for the event (so a second caller finds the hash in
+    flight), and with `fail_once` the first read of it raises after the wait."""
+    reads, release, real = [], threading.Event(), manifest._sha256
+
+    def read(path: Path) -> str:
+        reads.append(path)
+        if path == hold:
+            release.wait(timeout=30)
+            if fail_once and reads.count(path) == 1:
+                raise OSError(f"{path}: a read that failed")
+        return real(path)
+
+    monkeypatch.setattr(manifest, "_sha256", read)
+    return reads, release
+
+
+def _in_thread(paths: list[Path], reads: list[Path]) -> tuple[threading.Thread, dict[str, Any]]:
+    """files_sha256 of `paths` on a thread of its own, started once the prefetch is reading (`reads`)."""
+    deadline = time.monotonic() + 30
+    while not reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(hashes=files_sha256(paths)))
+    thread.start()
+    return thread, result
+
+
+def test_a_hash_in_flight_is_waited_for_not_read_twice(tmp_path: Path, threads: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = [tmp_path / "weights.bin", tmp_path / "config.json"]
+    paths[0].write_bytes(os.urandom(3 << 20))
+    paths[1].write_text("{}")
+    reads, release = _reads(monkeypatch, hold=paths[0])
+    prefetch = prefetch_sha256(paths, tmp_path / "runs")
+    waiter, result = _in_thread(paths[:1], reads)
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive()  # the prefetch holds the file's read: the stage's call waits for it
+    release.set()
+    waiter.join(timeout=30)
+    prefetch.join(timeout=30)
+    assert result["hashes"] == {paths[0]: _reference_sha256(paths[0])}
+    assert sorted(reads) == sorted(paths)  # each file read once, by the prefetch
+    memo = json.loads((tmp_path / "runs" / INPUT_HASH_MEMO).read_text())
+    assert {memo[str(p.resolve())][4] for p in paths} == {_reference_sha256(p) for p in paths}
+
+
+def test_a_failed_read_in_flight_is_read_again_by_the_waiter(tmp_path: Path, threads: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    reads, release = _reads(monkeypatch, hold=path, fail_once=True)
+    prefetch = prefetch_sha256([path])
+    waiter, result = _in_thread([path], reads)
+    waiter.join(timeout=0.5)
+    release.set()
+    waiter.join(timeout=30)
+    prefetch.join(timeout=30)
+    assert not prefetch.is_alive() and not waiter.is_alive()
+    assert result["hashes"] == {path: _reference_sha256(path)}  # the prefetch's failure did not reach the stage
+    assert reads == [path, path]
+
+
+def test_the_flow_prefetches_the_base_models_weights_not_its_tokenizer(tmp_path: Path, threads: None) -> None:
+    config = load_config(None, [])
+    files = [p for p in Path(config.model.base_model).iterdir() if p.is_file()]
+    prefetch_fingerprint(config.model, tmp_path).join(timeout=60)
+    memo = json.loads((tmp_path / INPUT_HASH_MEMO).read_text())
+    assert set(memo) == {str(p.resolve()) for p in files if p.name not in TOKENIZER_FILES}
+    reference = {"files_sha256": _reference_fingerprint(files)}
+    assert model_spec(config.model, tmp_path).fingerprint == reference
+    assert prefetch_fingerprint(config.model.model_copy(update={"base_model": str(tmp_path / "none")}),
+                                tmp_path) is None

@@ -10,6 +10,7 @@ modules.json (the names of the Linear layers LoRA can target, with counts) and m
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,8 +22,16 @@ from tasks import disk
 from tasks.caching import stage_task_options
 from tasks.config import ModelArgs
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage
-from tasks.runtime import compute_dtype, device, load_tokenizer, model_fingerprint, model_path
+from tasks.manifest import StageSpec, open_stage, prefetch_sha256
+from tasks.runtime import (
+    TOKENIZER_FILES,
+    compute_dtype,
+    device,
+    is_local,
+    load_tokenizer,
+    model_fingerprint,
+    model_path,
+)
 
 VERSION = "2"  # 2: the attention implementation in use recorded in the metrics
 # safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
@@ -37,6 +46,17 @@ def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
     return StageSpec(stage="prepare_model", version=VERSION, runs_dir=runs_dir,
                      params={"model": args.model_dump()}, located=("model.base_model",),  # the fingerprint has it
                      fingerprint=model_fingerprint(args.base_model, args.revision, runs_dir=runs_dir))
+
+
+def prefetch_fingerprint(args: ModelArgs, runs_dir: Path) -> threading.Thread | None:
+    """Start hashing a local base model's files for this stage's key while the stages before it run (the flows
+    call it first; manifest.prefetch_sha256 says why). A hub model's key is its commit: nothing to hash. The
+    tokenizer's files are left out: prepare_data's key reads them at once, and on a host with few cores they
+    would queue behind the weights."""
+    folder = Path(args.base_model).expanduser()
+    if not (is_local(args.base_model) and folder.is_dir()):
+        return None  # a folder that is not there: the stage's own key says so
+    return prefetch_sha256([p for p in folder.iterdir() if p.is_file() and p.name not in TOKENIZER_FILES], runs_dir)
 
 
 @task(name="prepare_model", **stage_task_options(spec, retries=2))

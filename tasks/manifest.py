@@ -47,6 +47,7 @@ _FILE_HASH_CACHE: dict[tuple[str, int, int, int, int], str] = {}
 # files being hashed now by some thread, by identity: a second caller waits for the first one's result
 _IN_FLIGHT: dict[tuple[str, int, int, int, int], Future[str]] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
+_READ_BYTES = 16 << 20  # one read of a file being hashed (_sha256)
 # The outputs each stage must have (fnmatch patterns, relative to the folder); a manifest lists them all.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "prepare_data": ("train.parquet", "eval.parquet"),
@@ -353,10 +354,17 @@ def prefetch_sha256(paths: list[Path], runs_dir: Path | None = None) -> threadin
 
 
 def _sha256(path: Path) -> str:
-    # file_digest's 256 KiB reads: 1 and 16 MiB reads measured no faster (bench/README.md: bench_hashing.py); its update
-    # releases the GIL, so threads hash files at once
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    """sha256 of a file read in 16 MiB pieces. Why not hashlib.file_digest: its 256 KiB reads take the GIL back
+    twice per piece, and beside a thread running Python (prepare_data importing transformers while the base model
+    is prefetched) each take waits up to the interpreter's 5 ms switch interval: 1 GB hashed in 0.72 s alone took
+    38.4 s beside a busy Python thread, in 16 MiB pieces 0.82 and 1.36 s (bench/bench_hashing.py --contended).
+    Read and update both release the GIL, so threads hash files at once."""
+    digest, piece = hashlib.sha256(), bytearray(_READ_BYTES)
+    view = memoryview(piece)
+    with path.open("rb", buffering=0) as f:
+        while size := f.readinto(piece):
+            digest.update(view[:size])
+    return digest.hexdigest()
 
 
 def _hash_threads() -> int:

@@ -42,8 +42,8 @@ def threads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_parallel_hashes_equal_a_sequential_reference(tmp_path: Path, threads: None) -> None:
-    # empty, one byte, one read (256 KiB) and a byte past it, and a few MiB of odd length
-    sizes = {"empty": 0, "one": 1, "block": 256 << 10, "past": (256 << 10) + 1, "odd": 3_000_001}
+    # empty, one byte, one read (16 MiB) and a byte past it, and a few MiB of odd length
+    sizes = {"empty": 0, "one": 1, "block": 16 << 20, "past": (16 << 20) + 1, "odd": 3_000_001}
     paths = []
     for name, size in sizes.items():
         (tmp_path / "sub").mkdir(exist_ok=True)

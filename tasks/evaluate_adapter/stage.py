@@ -29,6 +29,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,10 @@ from tasks.manifest import (
 )
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
-# 4: attention without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);
+# 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
+# without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);
 # 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
-VERSION = "4"
+VERSION = "5"
 
 
 def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
@@ -122,17 +124,17 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         if count == 0:
             raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
         tokenizer = load_tokenizer(Path(model_dir))
-        model = load_for_evaluation(Path(model_dir), args.dequantize)
-        batches = _batches(examples, count, args.per_device_eval_batch_size, model.config.pad_token_id or 0)
+        base = _Base(partial(load_for_evaluation, Path(model_dir), args.dequantize))
+        batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
         prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
         run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
         logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
                       "model then base + adapter", count, len(batches), len(prompts))
-        memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, getattr(model, "is_loaded_in_4bit", False))
+        memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, base.in_4bit)
         with _without_cudnn_attention():
-            results = _evaluate_all(model, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if
+            results = _evaluate_all(base, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if
                                     judged else None, tokenizer, batches, prompts, args, run_lm_eval, memo)
-        del model  # the dequantized copy (or the 4-bit model) is not needed past this point
+        base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
         release_device_memory()
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
         samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
@@ -188,29 +190,60 @@ def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
-def _evaluate_all(model: Any, adapter: Path, rival: tuple[Path, str | None] | None, tokenizer: Any,
-                  batches: list[dict[str, Any]], prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool,
-                  memo: Path | None) -> dict[str, dict[str, Any]]:
-    """base, tuned and (with a rival: its folder and identity) champion results on one base, the adapters attached
-    by name; the base's and the champion's taken from `memo` when an earlier evaluation left them there."""
+class _Base:
+    """The base model under evaluation, loaded again (`fresh`) once an adapter is in it and another must follow."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self.load, self.model = load, load()
+        self.in_4bit = bool(getattr(self.model, "is_loaded_in_4bit", False))
+
+    def fresh(self) -> None:
+        self.model = None  # the old copy is freed before the new one is loaded (load_for_evaluation collects first)
+        self.model = self.load()
+
+
+def _attached(model: Any, adapter: Path) -> Any:
+    """base + the adapter in `adapter`: merged into the weights of a dequantized base, else peft's LoRA layers on
+    the 4-bit one.
+
+    Why merged: a merged layer is one matmul, where peft's LoRA adds two more in float32 (the adapter's dtype) and
+    its casts; on the H200 the 8B job's tuned loss pass and answers took 2.9 and 1.9-3.2 s against the base
+    model's 1.8 and 1.0-1.2 s (bench/README.md, "Issue 24, seventh pass"). The tuned numbers are then those of the
+    merged weights, each rounded to the compute dtype once, as export.merge writes them."""
     from peft import PeftModel
 
-    results = {"base": _remembered(memo, "base", lambda: _evaluate("base", model, tokenizer, batches, prompts, args,
-                                                                      run_lm_eval))}
     # peft's default load, not low_cpu_mem_usage: that one rounds the adapter's float32 weights to the base's bf16
     # on the way in (checked against the file, peft 0.21), which moved the 8B job's tuned eval loss by 1e-5
-    tuned = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
-    results["tuned"] = _evaluate("tuned", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+    attached = PeftModel.from_pretrained(model, adapter)
+    if not getattr(model, "is_loaded_in_4bit", False):
+        attached.merge_adapter()
+    return attached
+
+
+def _evaluate_all(base: _Base, adapter: Path, rival: tuple[Path, str | None] | None, tokenizer: Any,
+                  batches: list[dict[str, Any]], prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool,
+                  memo: Path | None) -> dict[str, dict[str, Any]]:
+    """base, tuned and (with a rival: its folder and identity) champion results, each adapter attached to the same
+    base in turn (_attached); the base's and the champion's taken from `memo` when an earlier evaluation left them
+    there. The champion, when computed, goes before the tuned adapter and the base is loaded again after it, so
+    each adapter meets the base's exact weights (a merge cannot be undone exactly in bf16)."""
+
+    def evaluate(label: str, model: Any) -> dict[str, Any]:
+        return _evaluate(label, model, tokenizer, batches, prompts, args, run_lm_eval)
+
+    results = {"base": _remembered(memo, "base", lambda: evaluate("base", base.model))}
+    champion = None
     if rival is not None:
         folder, identity = rival
 
-        def champion() -> dict[str, Any]:
-            tuned.load_adapter(folder, adapter_name="champion")
-            tuned.set_adapter("champion")
-            return _evaluate("champion", tuned, tokenizer, batches, prompts, args, run_lm_eval)
+        def score_champion() -> dict[str, Any]:
+            scored = evaluate("champion", _attached(base.model, folder))
+            base.fresh()
+            return scored
 
-        results["champion"] = _remembered(memo if identity else None, f"champion-{identity}", champion)
-    return results
+        champion = _remembered(memo if identity else None, f"champion-{identity}", score_champion)
+    results["tuned"] = evaluate("tuned", _attached(base.model, adapter))
+    return {**results, **({"champion": champion} if champion is not None else {})}
 
 
 def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4bit: bool) -> Path | None:

@@ -56,6 +56,11 @@ def run_job(tree: Path, model: Path, dolly: Path, runs_dir: Path, extra: list[st
     """One `run` of the CLI from `tree`: its summary, wall time, each stage's seconds from its manifest and its
     span in the log (written to `log`)."""
     shutil.rmtree(runs_dir, ignore_errors=True)
+    # every run starts with the disk at rest: the model just built (16 GB for 8B) and the runs deleted before it still
+    # being written back or discarded slowed the first run's saves by up to 2x (export_adapter's 16 GB: 24.9 s in a
+    # machine's first run, 16.2 s in its third; bench/README.md, "Issue 24, seventh pass"), which a base model long
+    # on disk does not do
+    os.sync()
     sets = [f"model.base_model={model}", f"data.source={dolly.resolve()}", f"runs_dir={runs_dir}",
             "train.num_train_epochs=1", "export.merge=true", *extra]
     cmd = [sys.executable, "-m", "deployments.cli", "run", "--json", *[a for s in sets for a in ("--set", s)]]

@@ -2,9 +2,9 @@
 
 Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model), the adapter
 (train_adapter) and, when the registry named by export.name has a champion on the same base model, that
-champion's adapter. For the base model, then the same model with the adapter, then with the champion's
-adapter instead (one base, dequantized once when it fits: eval.dequantize; adapters attached by name), on the
-very same batches and prompts:
+champion's adapter. For the base model, then the same model with the champion's adapter, then with the adapter
+(the base dequantized when it fits, eval.dequantize, and each adapter merged into it; loaded again after the
+champion, so each adapter meets the exact base), on the very same batches and prompts:
 
 - the token-weighted mean loss over label tokens, and its perplexity;
 - greedy answers to the first eval.generation_samples prompts (the tokens before each example's first

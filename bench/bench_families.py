@@ -83,7 +83,7 @@ def worker_family(spec: dict[str, Any]) -> dict[str, Any]:
         folder = build_family_model(spec["family"], Path(spec["work"]) / "models" / spec["family"],
                                     device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32,
                                     **spec["dims"])
-        out.update(_stages(folder, Path(spec["work"]) / "runs", spec["steps"], out))
+        out.update(_stages(folder, Path(spec["work"]) / "runs", spec["steps"], out, spec.get("speed") or {}))
         out["completed"] = True
     except BaseException as exc:  # noqa: BLE001 - recorded per family; the others go on
         out["error"] = f"{type(exc).__name__}: {exc}"[:600]
@@ -93,7 +93,7 @@ def worker_family(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _stages(folder: Path, runs: Path, steps: int, out: dict[str, Any]) -> dict[str, Any]:
+def _stages(folder: Path, runs: Path, steps: int, out: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
     from tasks.config import DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
     from tasks.evaluate_adapter.stage import evaluate_adapter
     from tasks.export_adapter.stage import export_adapter
@@ -108,8 +108,8 @@ def _stages(folder: Path, runs: Path, steps: int, out: dict[str, Any]) -> dict[s
     out["stage"] = "prepare_model"
     model_dir = prepare_model.fn(model, runs)
     out["stage"] = "train_adapter"
-    adapter = train_adapter.fn(LoraArgs(), TrainArgs(max_steps=steps, save_steps=10**6), SpeedArgs(), runs, data,
-                               model_dir)
+    adapter = train_adapter.fn(LoraArgs(), TrainArgs(max_steps=steps, save_steps=10**6), SpeedArgs(**speed), runs,
+                               data, model_dir)
     out["stage"] = "evaluate_adapter"
     evals = evaluate_adapter.fn(EvalArgs(max_samples=128, generation_samples=4, max_new_tokens=8), runs, data,
                                 model_dir, adapter)
@@ -129,8 +129,9 @@ def _levers(lines: list[str]) -> dict[str, Any]:
     said = [ln.removeprefix("train_adapter: ") for ln in lines if ln.startswith("train_adapter: ")]
     aside = [ln for ln in said if "steps aside" in ln]
     # plan.prepare_base's line, then plan.prepare_peft's (the rest: micro-batches, steps, resumes, warnings)
-    applied = [ln for ln in said if ln not in aside and not ln.startswith(
-        ("micro-batches", "step ", "resuming", "out of memory", "Liger kernels not applied", "speed."))][:2]
+    applied = [ln for ln in said if ln not in aside and "thread(s) per process" not in ln and not ln.startswith(
+        ("micro-batches", "step ", "resuming", "out of memory", "Liger kernels not applied", "speed.", "memory plan",
+         "optimizer"))][:3]
     batches = next((ln.removeprefix("micro-batches ") for ln in said if ln.startswith("micro-batches")), None)
     warnings = [ln for ln in lines if ln.startswith("prepare_model: model.attn_implementation")]
     return {"levers_applied": applied, "levers_stepped_aside": aside, "micro_batches": batches,
@@ -175,7 +176,8 @@ def families_part(a: argparse.Namespace, runner: bench_train.Runner) -> dict[str
     dims = {**FAMILY_DIMS, **json.loads(a.dims or "{}")}
     with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
         jobs = {f: pool.submit(runner.run, f"family {f}", _cmd("family", {"family": f, "work": work, "steps": a.steps,
-                                                                          "dims": dims}), None, 420)
+                                                                          "dims": dims, "speed": json.loads(a.speed)}),
+                               None, 420)
                 for f in wanted}
         return {f: job.result() for f, job in jobs.items()}
 
@@ -246,6 +248,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="bench_train's example lengths are cut here")
     ap.add_argument("--shape-steps", type=int, default=8, help="timed pipeline steps, after 2 warm-up steps")
     ap.add_argument("--reference-steps", type=int, default=6, help="timed reference steps, after 2 warm-up steps")
+    ap.add_argument("--speed", default="{}", help="JSON SpeedArgs overrides for the families' training, e.g. "
+                    '\'{"gpu_memory_budget_gb": 0.3}\' so the plan recomputes and offloads layers')
     ap.add_argument("--skip", default="", help="comma list of: families, shape")
     ap.add_argument("--out", default="bench/results/families.json")
     ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-families"))

@@ -92,8 +92,13 @@ def _half_dtype(module: Any, value: torch.Tensor) -> torch.dtype:
     return weight.dtype if weight is not None else torch.bfloat16
 
 
-def varlen_unsupported(config: Any) -> str | None:
+def varlen_unsupported(config: Any, model_class: type | None = None) -> str | None:
     """Why the flash varlen kernel cannot run this model's attention exactly, or None."""
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        # Falcon: its attention calls sdpa itself under the name "sdpa" and computes eager scores under any other, one
+        # T x T matrix per head: on the H200 a 4-layer Falcon at 16,384-token packs peaked at 64.8 GiB where the
+        # memory plan predicted 1.0 (bench/README.md, "Issue 24, seventh pass")
+        return f"{model_class.__name__} runs its own attention code, not transformers' attention functions"
     if getattr(config, "attn_logit_softcapping", None):  # Gemma 2: the kernel has no soft-capping
         return f"attention logits soft-capped at {config.attn_logit_softcapping} ({config.model_type})"
     if getattr(config, "attention_dropout", 0) or getattr(config, "attn_pdrop", 0):  # GPT-2: the kernel has no dropout
@@ -109,7 +114,7 @@ def use_packed_attention(model: Any) -> str:
 
     if not (torch.cuda.is_available() and _varlen_fn() is not None):
         return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
-    reason = varlen_unsupported(model.config)
+    reason = varlen_unsupported(model.config, type(model))
     if reason:
         logger().info("train_adapter: varlen attention steps aside: %s; packed rows are masked block-diagonally "
                       "by %s instead", reason, model.config._attn_implementation)

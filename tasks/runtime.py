@@ -141,6 +141,40 @@ def compute_dtype(choice: str) -> torch.dtype:
     return dtype
 
 
+# transformers' bitsandbytes integration quantizes only layers whose type is exactly nn.Linear (replace_with_bnb_linear,
+# transformers 5.24). Falcon builds its projections from FalconLinear, an nn.Linear subclass that computes the same
+# input @ weight.T + bias, so its "4-bit" checkpoint kept every layer in bf16 (a 4-layer Falcon on the H200:
+# linear_4bit_layers 0, 87 MB where GPT-NeoX's is 24 MB). While such a model is built, the subclass's name in its
+# modeling module stands for nn.Linear itself. Other nn.Linear subclasses in transformers (routers, grouped or
+# decoupled layers) compute something else and are not listed.
+SAME_AS_LINEAR = {"falcon": ("transformers.models.falcon.modeling_falcon", "FalconLinear")}
+
+
+@contextmanager
+def plain_linear_layers(model_folder: Path) -> Iterator[None]:
+    """While the model in `model_folder` is built: its family's nn.Linear subclasses of the same maths (SAME_AS_LINEAR)
+    are built as nn.Linear, so bitsandbytes quantizes them and a 4-bit checkpoint of them loads."""
+    import importlib
+
+    import torch
+
+    try:
+        model_type = json.loads((Path(model_folder) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        model_type = None  # from_pretrained reports the folder's problem itself
+    if model_type not in SAME_AS_LINEAR:
+        yield
+        return
+    module_name, name = SAME_AS_LINEAR[model_type]
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    setattr(module, name, torch.nn.Linear)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 def load_quantized(model_dir: Path) -> Any:
     """The 4-bit checkpoint written by prepare_model, on this machine's device, ready for training."""
     import torch
@@ -148,11 +182,12 @@ def load_quantized(model_dir: Path) -> Any:
 
     made = read_model_metrics(model_dir)
     # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (torchrun's LOCAL_RANK)
-        device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
-        attn_implementation=made.attn_implementation,
-    )
+    with plain_linear_layers(model_dir):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (LOCAL_RANK)
+            device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
+            attn_implementation=made.attn_implementation,
+        )
     keep_cpu_repacking_to_fitting_shapes(model)
     return model
 

@@ -59,7 +59,7 @@ def _no_cpu_repack(model: Any) -> Any:
 
 
 @pytest.mark.slow  # whole flow runs
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TUPLE_LAYER_FAMILIES)
 def test_family_trains_with_defaults_and_exports_a_working_adapter(family: str, family_runs: dict[str, Any],
                                                                    family_root: Path) -> None:
     from peft import PeftModel
@@ -70,6 +70,9 @@ def test_family_trains_with_defaults_and_exports_a_working_adapter(family: str, 
     summary = _run_family(family, family_runs, family_root)
     metrics = summary["metrics"]
     assert metrics["tuned_eval_loss"] < metrics["base_eval_loss"]
+    # every layer LoRA can target is 4-bit (Falcon's FalconLinear stayed bf16 before runtime.plain_linear_layers)
+    modules = json.loads((Path(summary["stages"]["prepare_model"]["dir"]) / "modules.json").read_text())
+    assert modules["linear_4bit"] and not modules["linear_other"], modules
     export = Path(summary["export_dir"])
     ids = torch.tensor([[1, 37, 250, 511, 4, 900, 77, 12]])
     base = _no_cpu_repack(load_quantized(Path(summary["stages"]["prepare_model"]["dir"])))

@@ -127,6 +127,8 @@ def test_learning_the_verdicts_leaves_no_cycle_holding_the_graph(mode: str, tmp_
     saved activations alive until the cyclic collector ran, and ran a 16 GiB plan out of memory on the GPU."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     model = _model("llama", build_family_model("llama", tmp_path / "llama"), mode, skip=True)
     gc.collect()
     gc.disable()
@@ -134,7 +136,9 @@ def test_learning_the_verdicts_leaves_no_cycle_holding_the_graph(mode: str, tmp_
     try:
         _step(model, [])
         gc.collect()
-        held = [type(o).__name__ for o in gc.garbage if isinstance(o, (torch.Tensor, torch.autograd.graph.Node))]
+        # FakeTensors: left in cycles by an earlier test's torch.compile (they hold no memory), not by this step
+        held = [type(o).__name__ for o in gc.garbage if isinstance(o, (torch.Tensor, torch.autograd.graph.Node))
+                and not isinstance(o, FakeTensor)]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

@@ -31,9 +31,10 @@ from tasks.runtime import (
     load_tokenizer,
     model_fingerprint,
     model_path,
+    plain_linear_layers,
 )
 
-VERSION = "2"  # 2: the attention implementation in use recorded in the metrics
+VERSION = "3"  # 3: Falcon's FalconLinear layers quantized (they stayed bf16); 2: the attention implementation recorded
 # safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
 # a 70B model's 4-bit checkpoint (39.5 GB) would need ~37 GiB of host memory in one piece. 2 GB shards bound it,
 # and let the manifest's sha256 run one thread per shard (one file's hash cannot be split: the 8B checkpoint's
@@ -112,11 +113,12 @@ def quantization_config(args: ModelArgs, dtype: Any) -> Any:
 def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        source, quantization_config=quantization_config(args, dtype), dtype=dtype,
-        attn_implementation=attention(source, args.attn_implementation),
-        device_map={"": 0} if device() == "cuda" else "cpu",
-    )
+    with plain_linear_layers(source):  # Falcon's layers too (runtime.SAME_AS_LINEAR)
+        return AutoModelForCausalLM.from_pretrained(
+            source, quantization_config=quantization_config(args, dtype), dtype=dtype,
+            attn_implementation=attention(source, args.attn_implementation),
+            device_map={"": 0} if device() == "cuda" else "cpu",
+        )
 
 
 def attention(source: Path, requested: str) -> str | None:

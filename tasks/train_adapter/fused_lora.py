@@ -148,7 +148,10 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     # a recomputation that never reads this layer's output skips it (recompute_skip.py); not inside a compiled
     # region, whose graph cannot hold the per-thread scopes (the layer then computes, as it always did)
     skip = torch.is_grad_enabled() and not torch.compiler.is_compiling() and recompute_skip.skips(base)
-    return _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype, skip)
+    out = _function().apply(x, a, b, base, kind, float(self.scaling[name]), dtype, out_dtype, skip)
+    # shaped outside the Function: a view made inside one may not be modified in place, and Falcon adds to its
+    # MLP's output in place (`mlp_output += attention_output`)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _base_matmul(base: Any, kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +244,7 @@ def _build_function() -> Any:
             ctx.base, ctx.kind, ctx.scale, ctx.dtype, ctx.x_dtype, ctx.shape = base, kind, scale, dtype, x.dtype, shape
             ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, xa if ctx.needs_input_grad[2] else None,
                                   a, b)
-            return _cast(out.view(*shape[:-1], out.shape[-1]), out_dtype)
+            return _cast(out, out_dtype)  # (tokens, out features): the caller shapes it
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

@@ -340,6 +340,7 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
     from prefect import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -374,6 +375,8 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
         submit.click()
         try:
             WebDriverWait(browser, 60).until(lambda b: not b.current_url.split("?")[0].endswith("/run"))
+        except TimeoutException:  # the UI's "Something went wrong": say what the browser saw (the failed request)
+            pytest.fail(f"the run form stayed open after Submit; browser console: {browser.get_log('browser')}")
         finally:
             browser.save_screenshot(str(SCREENSHOTS / "2-after-submit.png"))
         with get_client(sync_client=True) as client:

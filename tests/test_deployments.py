@@ -59,7 +59,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     # PREFECT_API_URL before the server starts: the UI it serves calls the API there (README: Operating it)
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", PYTHONPATH=str(PROJECT_ROOT))
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", PYTHONPATH=str(PROJECT_ROOT),
+               PREFECT_API_LOG_RETRYABLE_ERRORS="true")  # the 503s it answers, with their cause, in server.log
     hook = HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     logs = home / "logs"
@@ -333,6 +334,23 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOTS = PROJECT_ROOT / "test-output" / "ui"
 
 
+def _submit(browser: Any, submit: Any) -> list[dict[str, Any]]:
+    """Press the run form's Submit; [] once the browser has left the form, else what its console logged."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    submit.click()
+    try:
+        WebDriverWait(browser, 60).until(lambda b: not b.current_url.split("?")[0].endswith("/run"))
+    except TimeoutException:
+        return browser.get_log("browser") or [{"message": "(nothing in the console)"}]
+    return []
+
+
+def _retryable(console: list[dict[str, Any]]) -> bool:
+    return any("create_flow_run" in e["message"] and "status of 503" in e["message"] for e in console)
+
+
 @pytest.mark.ui
 @pytest.mark.skipif(not Path(CHROMEDRIVER).exists() and not os.environ.get("CI"),
                     reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
@@ -340,7 +358,6 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
     from prefect import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -372,13 +389,14 @@ def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, A
         browser.save_screenshot(str(SCREENSHOTS / "1b-run-form-lora.png"))
         submit = next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Submit")
         browser.execute_script("arguments[0].scrollIntoView(true);", submit)
-        submit.click()
-        try:
-            WebDriverWait(browser, 60).until(lambda b: not b.current_url.split("?")[0].endswith("/run"))
-        except TimeoutException:  # the UI's "Something went wrong": say what the browser saw (the failed request)
-            pytest.fail(f"the run form stayed open after Submit; browser console: {browser.get_log('browser')}")
-        finally:
-            browser.save_screenshot(str(SCREENSHOTS / "2-after-submit.png"))
+        console = _submit(browser, submit)
+        if console and _retryable(console):
+            # Prefect's server answers 503 for errors a client may retry (its SQLite busy, say); the UI shows "Something
+            # went wrong" and a user presses Submit again. Twice in CI on 2026-12-03, create_flow_run got one while
+            # the worker was idle; the server now logs such errors (PREFECT_API_LOG_RETRYABLE_ERRORS, server.log)
+            console += _submit(browser, submit)
+        browser.save_screenshot(str(SCREENSHOTS / "2-after-submit.png"))
+        assert not browser.current_url.split("?")[0].endswith("/run"), f"the run form stayed open; console: {console}"
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
         ours = [r for r in runs if r.parameters["config"].get("runs_dir") == str(tmp_path / "runs")]

@@ -282,7 +282,8 @@ def _hash_files(paths: list[Path]) -> dict[Path, str]:
             if identity in _IN_FLIGHT:
                 theirs.append(_IN_FLIGHT[identity])
             else:
-                mine[identity] = (path, _IN_FLIGHT.setdefault(identity, Future()))
+                _IN_FLIGHT[identity] = future = Future()
+                mine[identity] = (path, future)
     if mine:
         _hash_now(mine)
     wait(theirs)

@@ -12,6 +12,7 @@ class Dims(NamedTuple):
     layers: int
     vocab: int
     kv: int = 0  # key/value width (heads x head dim); 0 = hidden (no grouped-query attention)
+    heads: int = 0  # query heads (attention scores per token pair); 0 = unknown
 
 
 # each family's names for the same sizes, first match wins: Llama/Qwen/Gemma/Mistral/Phi/GPT-NeoX, GPT-2, OPT,
@@ -36,7 +37,7 @@ def model_dims(config: Any) -> Dims:
     heads, kv_heads = _first(config, HEAD_NAMES), getattr(config, "num_key_value_heads", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
     kv = kv_heads * head_dim if kv_heads and head_dim else hidden
-    return Dims(hidden, intermediate, layers, config.vocab_size, kv)
+    return Dims(hidden, intermediate, layers, config.vocab_size, kv, heads or 0)
 
 
 def _first(config: Any, names: tuple[str, ...]) -> int | None:

@@ -81,6 +81,40 @@ def test_sixteen_gib_gets_a_plan_predicted_faster_than_the_one_measured_at_11372
     assert all(chunk == 0 for chunk in plan.mlp_chunks()[plan.recompute_layers + plan.recompute_mlp_layers:])
 
 
+# the 4-layer Falcon of bench_families.py (16 heads, one key/value head: sdpa runs its math kernel over the dense
+# block-diagonal mask), LoRA r=16 on its four projections, measured on an H200 at 16,384-token packs
+# (bench/results/2026-12-03-h200-families-falcon-final.json, -families-falcon-defaults.json): every layer recomputed and
+# offloaded, and none
+FALCON4 = Dims(hidden=1024, intermediate=4096, layers=4, vocab=1024, kv=1024, heads=16)
+FIXED_FALCON4 = Fixed(allocated=int(0.03 * GIB), trainable_parameters=925_696, embedding_bytes=0, output_layer_bytes=0)
+MEASURED_DENSE = {Layout(16384, 4, True, False): 64.78, Layout(16384, 0, False, False): 114.11}
+
+
+@pytest.mark.parametrize("layout,peak", MEASURED_DENSE.items())
+def test_the_predicted_peak_with_a_dense_attention_mask_is_within_ten_percent(layout: Layout, peak: float) -> None:
+    assert predicted_peak(FALCON4, FIXED_FALCON4, layout, 16384, dense=True) / GIB == pytest.approx(peak, rel=0.10)
+    # without the attention scores the plan would predict a few GiB: what ran out of memory at 32,768 tokens
+    assert predicted_peak(FALCON4, FIXED_FALCON4, layout, 16384) / GIB < peak / 10
+
+
+def test_a_dense_attention_mask_gets_packs_of_a_few_thousand_tokens_and_a_plan_that_fits() -> None:
+    """The dense mask's attention grows with the pack's square: the fastest plan is no longer the largest pack, and
+    a small budget still fits (Falcon-7B's shape, 71 heads, at 16 GiB)."""
+    choices = Choices(longest_example=600, mlp_chunk=16384, dense_attention=True)
+    dense = choose_plan(FALCON4, FIXED_FALCON4, 138.8, choices)
+    varlen = choose_plan(FALCON4, FIXED_FALCON4, 138.8, Choices(longest_example=600, mlp_chunk=16384))
+    assert varlen.tokens == 32768 and 2048 <= dense.tokens <= 4096
+    assert dense.dense_attention and "attention through a dense mask" in dense.describe()
+    big = Layout(16384, 0, False, False)
+    chosen = Layout(dense.tokens, dense.recompute_layers, dense.offload_activations, dense.offload_embeddings)
+    assert relative_time(FALCON4, chosen, dense=True) < relative_time(FALCON4, big, dense=True) / 1.5
+    falcon7 = Dims(hidden=4544, intermediate=18176, layers=32, vocab=65024, kv=4544, heads=71)
+    table = 65024 * 4544 * 2
+    fixed7 = Fixed(int(4.4 * GIB), 40_000_000, table, table)
+    plan = choose_plan(falcon7, fixed7, 16.0, Choices(longest_example=2048, mlp_chunk=16384, dense_attention=True))
+    assert plan is not None and plan.predicted_peak_gib <= 16 * 0.95 and plan.recompute_layers > 0
+
+
 def test_the_whole_card_buys_no_recomputation_and_large_packs() -> None:
     plan = choose_plan(LLAMA8, FIXED8, 139.8 - 1, Choices(longest_example=2048, mlp_chunk=16384))
     assert (plan.recompute_layers, plan.recompute_mlp_layers, plan.offload_embeddings) == (0, 0, False)
@@ -163,6 +197,7 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
     from peft import LoraConfig, get_peft_model
 
     from tasks.train_adapter import plan
+    from tasks.train_adapter.attention import set_packed_attention
 
     model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 2 * GIB)
@@ -170,9 +205,14 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
     with pytest.raises(UserError, match=r"no memory plan fits the GPU memory budget of 2\.00 GiB .* already take "
                                         r"2\.00 GiB, and the smallest plan the settings allow needs about 2\.\d\d GiB"):
         plan.memory_plan(model, model.get_base_model(), TrainArgs(), speed, longest=100)
+    # sdpa (what a CPU runs, and a GPU where the varlen kernel steps aside) masks a packed row densely: small packs
+    dense = plan.memory_plan(model, model.get_base_model(), TrainArgs(), SpeedArgs(gpu_memory_budget_gb=8.0), 100)
+    assert dense.dense_attention and (dense.recompute_layers, dense.tokens) == (0, 1024)
+    set_packed_attention(model.get_base_model())  # what a GPU with torch's varlen kernel runs
     chosen = plan.memory_plan(model, model.get_base_model(), TrainArgs(), SpeedArgs(gpu_memory_budget_gb=8.0), 100)
     # a tiny model: everything fits, the largest packs included (kept layers no longer chunk their MLP)
     assert (chosen.recompute_layers, chosen.recompute_mlp_layers, chosen.tokens) == (0, 0, 32768)
+    assert not chosen.dense_attention
 
 
 # (whole-recomputed layers, MLP-only layers) of the tiny model's 4: none, MLP-only everywhere, all three modes

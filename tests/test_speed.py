@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tasks.config import EMBEDDED_MODEL, SpeedArgs, TrainArgs
-from tasks.train_adapter.attention import VARLEN, packed_attention
+from tasks.train_adapter.attention import set_packed_attention
 from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
 from tasks.train_adapter.loss import use_fused_loss
 from tasks.train_adapter.mlp import tile_mlp
@@ -88,18 +88,11 @@ def test_pack_collator_masks_boundaries_and_restarts_positions() -> None:
 @pytest.mark.parametrize("attention", ["sdpa", "packed_attention"])
 def test_packed_rows_give_each_example_its_unpacked_loss(attention: str) -> None:
     """No example attends to another: per-example losses in one packed row equal those run one by one."""
-    from transformers import AttentionInterface
-
-
     model = _tiny()
     examples = _examples([17, 64, 3, 120, 40])
     expected = _per_example_loss_unpacked(model, examples)
     if attention == "packed_attention":  # the GPU path's function, on its CPU fallback
-        AttentionInterface.register(VARLEN, packed_attention)
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *a, **k: None)
-        model.set_attn_implementation(VARLEN)
+        set_packed_attention(model)
     packed = _per_example_loss_packed(model, examples)
     torch.testing.assert_close(packed, expected, rtol=1e-4, atol=1e-4)
     # and packing really mixes rows: a mask that lets examples see each other changes the losses

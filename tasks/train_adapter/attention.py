@@ -96,8 +96,7 @@ def varlen_unsupported(config: Any, model_class: type | None = None) -> str | No
     """Why the flash varlen kernel cannot run this model's attention exactly, or None."""
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
         # Falcon: its attention calls sdpa itself under the name "sdpa" and computes eager scores under any other, one
-        # T x T matrix per head: on the H200 a 4-layer Falcon at 16,384-token packs peaked at 64.8 GiB where the
-        # memory plan predicted 1.0 (bench/README.md, "Issue 24, seventh pass")
+        # T x T matrix per head; under "sdpa" it runs the dense mask, which the memory plan counts (dense_attention)
         return f"{model_class.__name__} runs its own attention code, not transformers' attention functions"
     if getattr(config, "attn_logit_softcapping", None):  # Gemma 2: the kernel has no soft-capping
         return f"attention logits soft-capped at {config.attn_logit_softcapping} ({config.model_type})"
@@ -106,11 +105,15 @@ def varlen_unsupported(config: Any, model_class: type | None = None) -> str | No
     return None
 
 
+def dense_attention(model: Any) -> bool:
+    """Whether packed rows attend through a T x T block-diagonal mask (sdpa or eager: the varlen kernel is not in
+    use), so that attention's memory and time grow with the pack's square (the memory plan counts them)."""
+    return model.config._attn_implementation != VARLEN
+
+
 def use_packed_attention(model: Any) -> str:
     """Route the model's attention through packed_attention; returns the implementation now in use."""
     import torch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if not (torch.cuda.is_available() and _varlen_fn() is not None):
         return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
@@ -119,7 +122,16 @@ def use_packed_attention(model: Any) -> str:
         logger().info("train_adapter: varlen attention steps aside: %s; packed rows are masked block-diagonally "
                       "by %s instead", reason, model.config._attn_implementation)
         return model.config._attn_implementation
+    set_packed_attention(model)
+    return VARLEN
+
+
+def set_packed_attention(model: Any) -> None:
+    """Register packed_attention with transformers under VARLEN and set it as the model's attention (on a CPU it
+    runs sdpa per example: the tests use it there)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     AttentionInterface.register(VARLEN, packed_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
     model.set_attn_implementation(VARLEN)
-    return VARLEN

@@ -49,6 +49,18 @@ projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close 
   + 2 kv) (0.27 for 8B): a whole layer counts 0.73, an MLP-only one 0.54. A family whose layers read the MLP's
   output again (Gemma 2 and 3, OLMo 2 normalise it) skips nothing in a whole layer's recomputation, so the plan is
   optimistic for it there; its memory predictions do not change.
+
+Attention through a dense mask (Choices.dense_attention): where the flash varlen kernel steps aside (Falcon, whose
+attention is its own code; soft-capped or dropout attention; attention.varlen_unsupported), a packed row attends
+through transformers' block-diagonal T x T mask, and attention's memory and time grow with the pack's square, which
+nothing above counts. Memory, fitted to a 4-layer Falcon (16 heads, multi-query: sdpa runs its math kernel) at
+16,384-token packs on an H200: a layer that keeps its attention's activations holds 4 bytes per head per token
+pair more (SCORES_SAVED), a layer's attention backward needs 12 more at once (SCORES_WORK), and the boolean mask
+takes one byte per token pair; predicted 65.1 and 115.4 GiB where every layer recomputed (measured 64.78) and none
+did (114.11). Time: the dense mask makes attention compute every token pair of the row, 4 T h FLOPs per token per
+layer against the projections' 2 h (2 h + 2 kv + 3 i), so the time per token grows by that ratio, and the plan
+takes packs of a few thousand tokens (the host's cost per micro-step against the attention's per token) instead of
+the largest that fit. A family whose sdpa call runs a fused kernel with the mask needs less memory than this.
 """
 
 from __future__ import annotations
@@ -71,6 +83,8 @@ OFFLOAD_EMBEDDINGS_TOKENS = 480  # per micro-step: the output layer's copy to th
 TRAINABLE_BYTES = 16  # per trainable parameter: fp32 gradient, AdamW's two fp32 moments, the bf16 cast of the weight
 LOSS_ROWS = 512  # the fused loss's largest chunk of rows: its fp32 logits (rows x vocabulary) exist at once
 ALLOCATOR_SLACK = 0.05  # share of the budget kept free for fragmentation: the plan fits 95% of it
+SCORES_SAVED = 4  # bytes per head per token pair: a layer keeping its attention's activations (dense mask)
+SCORES_WORK = 12  # bytes per head per token pair: a layer's attention backward, on top (dense mask)
 PACK_SIZES = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # candidate tokens per micro-batch
 
 
@@ -100,6 +114,7 @@ class MemoryPlan:
     recompute_mlp_layers: int = 0  # the next this many recompute only their MLP (attention keeps its activations)
     chunk_recomputed: bool = False  # the whole-recomputed layers' MLP runs in speed.mlp_chunk_tokens chunks
     mlp_chunk: int = 0  # speed.mlp_chunk_tokens when the plan was made (MLP-only layers always chunk past it)
+    dense_attention: bool = False  # packed rows attend through a T x T mask (the varlen kernel stepped aside)
 
     def describe(self) -> str:
         """One line for the log: what was chosen and the predicted peak."""
@@ -114,6 +129,8 @@ class MemoryPlan:
             parts.append(f"{self.recompute_mlp_layers} recompute only their MLP")
         parts.append(f"{kept} keep their activations" if kept < self.layers else
                      f"all {self.layers} layers keep their activations (no recomputation)")
+        if self.dense_attention:
+            parts.append("attention through a dense mask")
         return (f"memory plan: packs of {self.tokens:,} tokens, {', '.join(parts)}, embeddings and output layer on "
                 f"the {'host' if self.offload_embeddings else 'GPU'}; predicted peak {self.predicted_peak_gib:.2f} "
                 f"GiB of the {self.budget_gib:.2f} GiB budget")
@@ -151,6 +168,7 @@ class Choices:
     mlp_chunk: int = 0  # speed.mlp_chunk_tokens (0: never)
     recompute_mlp_layers: int | None = None
     recompute_skip: bool = False  # recomputations skip the MLP's output projection (speed.recompute_skip)
+    dense_attention: bool = False  # packed rows attend through a T x T mask (attention.dense_attention)
 
 
 def mlp_share(dims: Dims) -> float:
@@ -165,40 +183,46 @@ def output_projection_share(dims: Dims) -> float:
     return mlp_share(dims) / 3
 
 
-def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0) -> int:
+def predicted_peak(dims: Dims, fixed: Fixed, layout: Layout, mlp_chunk: int = 0, dense: bool = False) -> int:
     """Peak GPU bytes allocated while training with this plan: the largest of the end of the forward pass (every
     saved activation, and the output layer back on the GPU for the loss when it lives on the host) and the backward
     of the top layer of each mode (what the layers below it hold, plus its own working memory). Past `mlp_chunk`
     tokens (speed.mlp_chunk_tokens) the MLP-only layers, and the whole-recomputed ones where the layout says so,
-    run their MLP in checkpointed chunks: its activations then exist a chunk at a time."""
+    run their MLP in checkpointed chunks: its activations then exist a chunk at a time. `dense`: attention runs
+    through a T x T mask, whose scores add per layer (the module docstring)."""
     h, i, kv = dims.hidden, dims.intermediate, dims.kv or dims.hidden
     tokens, whole, mlp_only = layout.tokens, layout.recompute_layers, layout.recompute_mlp_layers
     chunk = mlp_chunk if mlp_chunk and tokens > mlp_chunk else tokens
     kept = dims.layers - whole - mlp_only
+    pairs = (dims.heads or 1) * tokens * tokens if dense else 0  # attention scores of one layer
+    scores, work = SCORES_SAVED * pairs, SCORES_WORK * pairs
     kept_layer = tokens * 2 * (8 * h + 2 * kv + 3 * i)
     mlp_layer = tokens * 2 * (8 * h + 2 * kv)  # attention's activations, the MLP's input and output
-    held = kept * kept_layer + mlp_only * mlp_layer
+    held = kept * (kept_layer + scores) + mlp_only * (mlp_layer + scores)
     ends = [held + (fixed.output_layer_bytes if layout.offload_embeddings else 0)]  # the loss's copy of the head
     if kept:  # the top kept layer's backward holds about half a layer's activations more while it runs
-        ends.append(held + kept_layer / 2)
-    if mlp_only:  # the top MLP-only layer's: half a layer and its MLP's rebuilt activations
-        ends.append(mlp_only * mlp_layer + mlp_layer / 2 + 2 * 3 * i * chunk)
+        ends.append(held + kept_layer / 2 + work)
+    if mlp_only:  # the top MLP-only layer's: half a layer and its MLP's rebuilt activations (or its attention's)
+        ends.append(mlp_only * (mlp_layer + scores) + mlp_layer / 2 + max(2 * 3 * i * chunk, work))
     if whole:  # a whole-recomputed layer's backward rebuilds it
-        ends.append(2 * (14 * h * tokens + 3 * i * (chunk if layout.chunk_recomputed else tokens)))
+        ends.append(2 * (14 * h * tokens + 3 * i * (chunk if layout.chunk_recomputed else tokens)) + scores + work)
     saved = 0 if layout.offload_activations else whole * tokens * 2 * h
     offloaded = fixed.embedding_bytes + fixed.output_layer_bytes if layout.offload_embeddings else 0
-    state = TRAINABLE_BYTES * fixed.trainable_parameters + 4 * LOSS_ROWS * dims.vocab
+    state = TRAINABLE_BYTES * fixed.trainable_parameters + 4 * LOSS_ROWS * dims.vocab + (tokens * tokens if dense
+                                                                                         else 0)  # the bool mask
     return int(fixed.allocated - offloaded + state + saved + max(ends))
 
 
-def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0, skip: bool = False) -> float:
+def relative_time(dims: Dims, layout: Layout, mlp_chunk: int = 0, skip: bool = False, dense: bool = False) -> float:
     """Predicted time per token of a plan, relative to no recomputation, no offload and endless packs; `skip`:
-    recomputations skip the MLP's output projection."""
+    recomputations skip the MLP's output projection; `dense`: attention computes every token pair of the pack."""
     share, skipped = mlp_share(dims), output_projection_share(dims) if skip else 0.0
     chunked = layout.chunk_recomputed and bool(mlp_chunk) and layout.tokens > mlp_chunk
     whole = 1 - skipped + (share - skipped if chunked else 0)
     recomputed = layout.recompute_layers * whole + layout.recompute_mlp_layers * (share - skipped)
     time = (1 + HOST_TOKENS / layout.tokens) * (1 + RECOMPUTE_COST * recomputed / dims.layers)
+    if dense:  # 4 T h attention FLOPs per token and layer against the projections' 2 h (2 h + 2 kv + 3 i)
+        time *= 1 + 2 * layout.tokens / (2 * dims.hidden + 2 * (dims.kv or dims.hidden) + 3 * dims.intermediate)
     if layout.offload_activations and layout.recompute_layers:
         time += OFFLOAD_ACTIVATIONS_COST * layout.recompute_layers / dims.layers
     if layout.offload_embeddings:
@@ -237,12 +261,12 @@ def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -
         # needs more than the MLP's rebuilt activations) and the time grows: the first that fits is the fastest,
         # found by bisection (every layout, one by one, takes seconds for 80 layers)
         fits = bisect.bisect_left(mlps, True, key=lambda m, g=group: predicted_peak(
-            dims, fixed, g._replace(recompute_mlp_layers=m), choices.mlp_chunk) <= room)
+            dims, fixed, g._replace(recompute_mlp_layers=m), choices.mlp_chunk, choices.dense_attention) <= room)
         if fits == len(mlps):
             continue
         layout = group._replace(recompute_mlp_layers=mlps[fits])
-        key = (relative_time(dims, layout, choices.mlp_chunk, choices.recompute_skip),
-               predicted_peak(dims, fixed, layout, choices.mlp_chunk), layout)
+        key = (relative_time(dims, layout, choices.mlp_chunk, choices.recompute_skip, choices.dense_attention),
+               predicted_peak(dims, fixed, layout, choices.mlp_chunk, choices.dense_attention), layout)
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:
@@ -250,11 +274,12 @@ def choose_plan(dims: Dims, fixed: Fixed, budget_gib: float, choices: Choices) -
     time, peak, layout = best
     return MemoryPlan(layout.tokens, layout.recompute_layers, dims.layers, layout.offload_activations,
                       layout.offload_embeddings, round(peak / GIB, 2), round(budget_gib, 2), round(time, 4),
-                      layout.recompute_mlp_layers, layout.chunk_recomputed, choices.mlp_chunk)
+                      layout.recompute_mlp_layers, layout.chunk_recomputed, choices.mlp_chunk,
+                      choices.dense_attention)
 
 
 def smallest_peak_gib(dims: Dims, fixed: Fixed, choices: Choices) -> float:
     """The least memory any plan the settings allow needs (for the message when none fits): each group's last."""
-    peaks = (predicted_peak(dims, fixed, group._replace(recompute_mlp_layers=mlps[-1]), choices.mlp_chunk)
-             for group, mlps in candidates(dims, choices))
+    peaks = (predicted_peak(dims, fixed, group._replace(recompute_mlp_layers=mlps[-1]), choices.mlp_chunk,
+                            choices.dense_attention) for group, mlps in candidates(dims, choices))
     return min(peaks) / GIB / (1 - ALLOCATOR_SLACK)

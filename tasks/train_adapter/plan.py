@@ -18,7 +18,7 @@ from tasks.log import logger
 from tasks.model_dims import model_dims
 from tasks.runtime import set_expandable_segments
 from tasks.train_adapter import recompute_skip
-from tasks.train_adapter.attention import use_packed_attention
+from tasks.train_adapter.attention import dense_attention, use_packed_attention
 from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.liger import apply_liger
 from tasks.train_adapter.loss import (
@@ -248,7 +248,7 @@ def memory_plan(model: Any, base: Any, train: TrainArgs, speed: SpeedArgs, longe
         offload_embeddings=speed.offload_embeddings if speed.offload_embeddings is not None or not several
         else False,
         longest_example=longest, mlp_chunk=speed.mlp_chunk_tokens if mlps else 0,
-        recompute_skip=speed.recompute_skip and fuses_lora(speed))
+        recompute_skip=speed.recompute_skip and fuses_lora(speed), dense_attention=dense_attention(base))
     emb, head = model.get_input_embeddings(), base.get_output_embeddings()
     movable = embedding_offload_unsupported(model) is None and emb.weight.is_cuda
     head_movable = (output_layer_movable and head is not None and output_layer_offload_unsupported(base) is None

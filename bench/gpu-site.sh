@@ -13,9 +13,10 @@ cd "$root"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$shared/gpu/fetch-wheels.sh" "$tmp/whl" >/dev/null
-# not needed on the GPU host: tracking, the UI test, linting
+# not needed on the GPU host: tracking, the UI test, linting. huggingface_hub is pinned below with transformers: the
+# image has an older one (1.33), which fetch-wheels.sh leaves out and transformers 5.25 refuses (it needs >= 2.4)
 rm -f "$tmp"/whl/{mlflow,selenium,ruff,databricks_sdk,trio}*.whl
-pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(transformers|peft|trl|accelerate|gguf|liger[-_]kernel)==' || true)
+pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(transformers|huggingface[-_]hub|peft|trl|accelerate|gguf|liger[-_]kernel)==' || true)
 grep -qi '^liger' <<<"$pins" || pins="$pins liger-kernel==0.8.5"
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" $pins py-spy graphviz 2>&1 | grep -v 'WARNING: Location' || true
 plat=""

@@ -141,6 +141,14 @@ def compute_dtype(choice: str) -> torch.dtype:
     return dtype
 
 
+# Keyword arguments of every from_pretrained that builds the model to train or evaluate. transformers 5.25 turned
+# `use_kernels` on by default: after loading, the model's layers are swapped for kernels downloaded from the Hub
+# (on the H200: kernels-community/rotary, so prepare_model failed offline with "could not verify publisher trust
+# status"). That is a network fetch at run time, and layers train_adapter did not choose beside the ones it does
+# (the fused LoRA layers, Liger's kernels, the memory plan's recomputation); so they stay off.
+LOAD_KWARGS = {"use_kernels": False}
+
+
 # transformers' bitsandbytes integration quantizes only layers whose type is exactly nn.Linear (replace_with_bnb_linear,
 # transformers 5.24). Falcon builds its projections from FalconLinear, an nn.Linear subclass that computes the same
 # input @ weight.T + bias, so its "4-bit" checkpoint kept every layer in bf16 (a 4-layer Falcon on the H200:
@@ -186,7 +194,7 @@ def load_quantized(model_dir: Path) -> Any:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (LOCAL_RANK)
             device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
-            attn_implementation=made.attn_implementation,
+            attn_implementation=made.attn_implementation, **LOAD_KWARGS,
         )
     keep_cpu_repacking_to_fitting_shapes(model)
     return model

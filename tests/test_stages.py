@@ -114,6 +114,19 @@ def test_hub_model_id_resolves_through_the_hub_cache(tmp_path: Path, monkeypatch
     assert json.loads((folder / "modules.json").read_text())["targetable"] == PROJECTIONS
 
 
+def test_loaded_models_keep_their_own_layers_without_hub_kernels(stages: dict[str, str]) -> None:
+    """transformers 5.25 kernelizes every from_pretrained by default, fetching kernels from the Hub (on a GPU: a
+    network call, and offline a failed prepare_model); both loaders turn that off. On a CPU nothing is fetched, so
+    the model's own flag is what shows it."""
+    import torch
+
+    from tasks.prepare_model.stage import _load_4bit
+    from tasks.runtime import load_quantized
+
+    for model in (_load_4bit(EMBEDDED_MODEL, ModelArgs(), torch.float32), load_quantized(Path(stages["model"]))):
+        assert model.use_kernels is False and getattr(model, "_kernels_mode", None) is None
+
+
 def test_prepare_model_writes_shards_that_load_and_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint larger than SHARD_SIZE is written in several shards (a 70B one would otherwise sit whole in
     host memory while saving); the manifest lists every shard, training loads them, a re-run reuses them."""

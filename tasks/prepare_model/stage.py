@@ -24,6 +24,7 @@ from tasks.config import ModelArgs
 from tasks.log import logger
 from tasks.manifest import StageSpec, open_stage, prefetch_sha256
 from tasks.runtime import (
+    LOAD_KWARGS,
     TOKENIZER_FILES,
     compute_dtype,
     device,
@@ -117,7 +118,7 @@ def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
         return AutoModelForCausalLM.from_pretrained(
             source, quantization_config=quantization_config(args, dtype), dtype=dtype,
             attn_implementation=attention(source, args.attn_implementation),
-            device_map={"": 0} if device() == "cuda" else "cpu",
+            device_map={"": 0} if device() == "cuda" else "cpu", **LOAD_KWARGS,
         )
 
 

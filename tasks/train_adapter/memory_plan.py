@@ -57,8 +57,9 @@ nothing above counts. Memory, fitted to a 4-layer Falcon (16 heads, multi-query:
 16,384-token packs on an H200: a layer that keeps its attention's activations holds 4 bytes per head per token
 pair more (SCORES_SAVED), a layer's attention backward needs 12 more at once (SCORES_WORK), and the boolean mask
 takes one byte per token pair; predicted 65.1 and 115.4 GiB where every layer recomputed (measured 64.78) and none
-did (114.11), and, at the 3,072-token packs the plan then chose, 2.46 and 4.57 (measured 2.44 and 4.41). Time: the dense mask makes attention compute every token pair of the row, 4 T h FLOPs per token per
-layer against the projections' 2 h (2 h + 2 kv + 3 i), so the time per token grows by that ratio, and the plan
+did (114.11), and, at the 3,072-token packs the plan then chose, 2.46 and 4.57 (measured 2.44 and 4.41). Time: the
+dense mask makes attention compute every token pair of the row, 4 T h FLOPs per token per layer against the
+projections' 2 h (2 h + 2 kv + 3 i), so the time per token grows by that ratio, and the plan
 takes packs of a few thousand tokens (the host's cost per micro-step against the attention's per token) instead of
 the largest that fit. A family whose sdpa call runs a fused kernel with the mask needs less memory than this.
 """

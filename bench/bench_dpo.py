@@ -156,6 +156,8 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+    from tasks.runtime import LOAD_KWARGS
+
     text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 - the word-level tokenizer maps back to ids
     rows = pq.read_table(Path(spec["data_dir"]) / "train.parquet").to_pylist()
     # answers start with a space (prompt + answer is one string to TRL) and end in the eos token "t2"
@@ -166,7 +168,8 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(
         spec["model_dir"], dtype=torch.bfloat16, device_map={"": 0} if torch.cuda.is_available() else "cpu",
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16),
+        **LOAD_KWARGS)  # the recipe as it ran before transformers 5.25 fetched Hub kernels by default
     load_s = time.time() - t
     timer = _Timer()
     inner = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)

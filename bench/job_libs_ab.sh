@@ -13,14 +13,7 @@ rm -rf /tmp/site524 && cp -a /tmp/site /tmp/site524 && rm -rf /tmp/site524/trans
 tar -xJf .gpu/old-libs.tar.xz -C /tmp/site524
 export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv
-PYTHONPATH=$PWD:/tmp/site python3 - <<'PY'
-import torch, time
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(20): a @ b
-torch.cuda.synchronize(); t = time.perf_counter()
-for _ in range(200): a @ b
-torch.cuda.synchronize(); print("matmul 8192^3 bf16 TFLOP/s", round(2 * 8192**3 * 200 / (time.perf_counter() - t) / 1e12, 1))
-PY
+PYTHONPATH=$PWD:/tmp/site python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_train import worker_matmul; print('matmul', worker_matmul({}))"
 for s in site524 site; do
   PYTHONPATH=$PWD:/tmp/$s python3 -c "import transformers, peft, huggingface_hub as h; print('$s', transformers.__version__, peft.__version__, h.__version__)"
   date -u

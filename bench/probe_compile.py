@@ -72,6 +72,7 @@ def build(device: str, checkpoint: str, source: str, speed: dict[str, Any]) -> A
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from tasks.config import SpeedArgs
+    from tasks.runtime import LOAD_KWARGS
     from tasks.train_adapter.checkpointing import enable_checkpointing
     from tasks.train_adapter.plan import prepare_base, prepare_peft
 
@@ -79,7 +80,7 @@ def build(device: str, checkpoint: str, source: str, speed: dict[str, Any]) -> A
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device,
-                                                 quantization_config=quant)
+                                                 quantization_config=quant, **LOAD_KWARGS)
     prepare_base(model, SpeedArgs(**speed))
     torch.manual_seed(0)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))

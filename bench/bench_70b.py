@@ -1,4 +1,4 @@
-"""A Llama-3.1-70B-shaped model trained with train_adapter's defaults on one GPU (issue 15, part B).
+"""A Llama-3.1-70B-shaped model trained with train_adapter's defaults on one GPU.
 
 Builds the random-weight 4-bit checkpoint with bench/build_4bit.py (one layer at a time on the GPU; the bf16 model
 is never held, in memory or on disk) into --work (reused when already there), then, in one fresh subprocess,
@@ -156,7 +156,7 @@ def main() -> None:
 
 
 def summary(r: dict[str, Any]) -> dict[str, Any]:
-    """The issue's figures: the build's cost, and per run tokens/s, peak memory and the plan chosen."""
+    """The figures: the build's cost, and per run tokens/s, peak memory and the plan chosen."""
     build = r.get("build", {})
     pipe = r.get("pipeline", {})
     s: dict[str, Any] = {k: r[k] for k in ("date", "command", "gpu", "shape") if k in r}

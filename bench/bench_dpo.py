@@ -2,7 +2,7 @@
 same 4-bit Llama-3.1-8B-shaped model and the same synthetic preference pairs, in one GPU run.
 
 Builds the 8B-shaped model with random weights and quantizes it through the pipeline's prepare_model (bench_train's
-worker_build: the shared reference_recipe.make_model_dir, a 128,256-id word-level tokenizer), then measures,
+worker_build: bench/shapes.py's model, a 128,256-id word-level tokenizer), then measures,
 each in its own process so that its GPU memory figures are its own:
 
   (a) pipeline: tasks.train_adapter.preference.fit_and_save, train.method dpo, its defaults: padding-free
@@ -26,7 +26,7 @@ included), and the losses; for (a) also the memory plan (`budget_gib`, `plan`, `
 `padding_free`.
 
 usage (GPU host, from the repository root; about 5 minutes on one H200):
-  python bench/bench_dpo.py --shared ../shared/bench --out bench/results/$(date +%F)-h200-dpo.json
+  python bench/bench_dpo.py --steps 5 --out bench/results/dpo-h200.json
 """
 
 from __future__ import annotations
@@ -216,7 +216,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
-    ap.add_argument("--shared", default="../shared/bench", help="folder with reference_recipe.py (make_model_dir)")
     ap.add_argument("--model-dir", default="/tmp/llama8b")
     ap.add_argument("--work", default="/tmp/qlora-bench-dpo")
     ap.add_argument("--pairs", type=int, default=256, help="pairs written (the pipeline's token-sized micro-batches "
@@ -237,7 +236,7 @@ def main() -> None:
         if a.worker == "build":
             from bench_train import worker_build
 
-            result = _build_smoke(spec) if spec.get("smoke") else worker_build(spec)
+            result = worker_build(spec)
         else:
             result = {"pipeline": worker_pipeline, "trl": worker_trl}[a.worker](spec)
         print("RESULT " + json.dumps(result), flush=True)
@@ -245,8 +244,9 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    built = _run("build", {"shared": str(Path(a.shared).resolve()), "model_dir": a.model_dir,
-                           "runs_dir": str(work / "runs"), "smoke": a.smoke}, work / "build.log", 1200)
+    # the smoke test's model: 2 tiny layers with the 8B shape's vocabulary (bench/shapes.py)
+    built = _run("build", {"model_dir": a.model_dir, "runs_dir": str(work / "runs"),
+                           "shape": "tiny-llama" if a.smoke else "llama-3.1-8b"}, work / "build.log", 1200)
     if "error" in built:
         sys.exit(f"build failed: {json.dumps(built)[:3000]}")
     data_dir = work / "data"
@@ -271,25 +271,6 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
     print(text)
-
-
-def _build_smoke(spec: dict[str, Any]) -> dict[str, Any]:
-    """A 2-layer Llama with the 8B shape's vocabulary and the bench tokenizer, through prepare_model."""
-    import torch
-    from bench_train import VOCAB, _write_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import tasks.prepare_model.stage as pm
-    from tasks.config import ModelArgs
-
-    folder = Path(spec["model_dir"])
-    if not (folder / "config.json").exists():
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-                         ).save_pretrained(folder)
-    _write_tokenizer(folder)
-    return {"model_dir_4bit": pm.prepare_model.fn(ModelArgs(base_model=str(folder)), Path(spec["runs_dir"]))}
 
 
 def _gpu_name() -> str | None:

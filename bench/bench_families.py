@@ -9,11 +9,12 @@ tokens/s and peak memory.
 
 Part 2, a second shape (--shape, default the Qwen2.5-7B shape: hidden 3584, 28 layers, 28 query / 4 key-value
 heads, MLP 18944, vocabulary 152064) with random weights: bench_train.py's own workers measure train_adapter's
-defaults (real tokens/s, peak memory) next to the shared reference recipe on the same model, one at a time, on
-bench_train's synthetic examples. The shape is built and quantized while part 1 runs; the timed runs go alone.
+defaults (real tokens/s, peak memory) next to the reference recipe (bench/reference_recipe.py) on the same model,
+one at a time, on bench_train's synthetic examples. The shape is built and quantized while part 1 runs; the timed
+runs go alone.
 
-usage (GPU host, from the repository root, after the setup in bench/README.md):
-  python bench/bench_families.py --shared .shared_bench --out $OUT/families.json
+usage (GPU host, from the repository root, after the set-up in bench/README.md):
+  python bench/bench_families.py --out bench/results/families-h200.json
 Runs in about 6-8 minutes on one H200.
 """
 
@@ -36,22 +37,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_train  # noqa: E402 - bench/ is not a package; its workers and Runner are reused
+from shapes import SHAPES, make_model_dir  # noqa: E402
 
 FAMILY_DIMS = {"hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 4, "intermediate": 2816, "vocab": 1024}
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-                   "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-                   "tie_word_embeddings": False},
-    "llama-3.1-8b": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-                     "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-                     "tie_word_embeddings": False},
-    "tiny-qwen2": {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024},  # CPU smoke tests
-}
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Workers (own processes: a family that crashes or holds GPU memory does not touch the others)
 # --------------------------------------------------------------------------------------------------------------
@@ -139,22 +127,8 @@ def _levers(lines: list[str]) -> dict[str, Any]:
 
 
 def worker_shape(spec: dict[str, Any]) -> dict[str, Any]:
-    """A random-weight model of spec['shape'] built on the GPU in bf16 and saved (skipped when already there)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = Path(spec["model_dir"])
-    if (folder / "config.json").exists():
-        return {"model_dir": str(folder), "built": False}
-    fields = dict(SHAPES[spec["shape"]])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    t = time.time()
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="5GB")
-    return {"model_dir": str(folder), "built": True, "build_s": round(time.time() - t, 1),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    """A random-weight model of spec['shape'] (bench/shapes.py), skipped when already there."""
+    return make_model_dir(spec["model_dir"], spec["shape"])
 
 
 WORKERS = {"family": worker_family, "shape": worker_shape}
@@ -186,7 +160,7 @@ def shape_build(a: argparse.Namespace, runner: bench_train.Runner) -> dict[str, 
     """The shape's bf16 folder, then bench_train's build worker: its tokenizer and the pipeline's 4-bit stage."""
     model_dir = str(Path(a.work) / a.shape)
     built = runner.run("shape", _cmd("shape", {"shape": a.shape, "model_dir": model_dir}), None, 600)
-    spec = {"shared": str(Path(a.shared).resolve()), "model_dir": model_dir, "runs_dir": str(Path(a.work) / "runs")}
+    spec = {"model_dir": model_dir, "runs_dir": str(Path(a.work) / "runs")}
     return {"shape": built, "build": runner.run("shape prepare_model", bench_train.worker_cmd("build", spec),
                                                 None, 600)}
 
@@ -201,8 +175,8 @@ def shape_part(a: argparse.Namespace, runner: bench_train.Runner, build: dict[st
                 "runs": [{"name": "default", "n": 4000, "train": {"max_steps": a.shape_steps + 2}}]}
         result["pipeline_run"] = runner.run("shape pipeline", bench_train.worker_cmd("pipeline", spec))
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    cmd = [sys.executable, f"{Path(a.shared).resolve()}/reference_recipe.py", build["shape"].get("model_dir", ""),
-           str(a.seq), "--lengths", "dolly", "--ga", "4", "--steps", str(a.reference_steps)]
+    cmd = [*bench_train.reference_cmd(build["shape"].get("model_dir", ""), a.seq), "--ga", str(a.reference_ga),
+           "--steps", str(a.reference_steps)]
     result["reference_run"] = runner.run("shape reference", cmd, env=env, timeout=600)
     return result
 
@@ -215,9 +189,9 @@ def summary(shape: dict[str, Any]) -> dict[str, Any]:
                          "peak_reserved_gib": pipe.get("peak_reserved_gib"), "losses": pipe.get("losses"),
                          "setup": "train_adapter defaults (LoRA r=16 on all-linear, packed micro-batches)"},
             "reference": {"real_tokens_per_s": ref.get("real_tokens_per_s"),
-                          "peak_allocated_gib": ref.get("train_peak_alloc_gib"),
-                          "peak_reserved_gib": ref.get("train_peak_reserved_gib"), "losses": ref.get("losses"),
-                          "setup": "reference_recipe.py, q/k/v/o, micro-batch 1 x 4"}}
+                          "peak_allocated_gib": ref.get("peak_allocated_gib"),
+                          "peak_reserved_gib": ref.get("peak_reserved_gib"), "losses": ref.get("losses"),
+                          "setup": f"reference_recipe.py, q/k/v/o, micro-batch 1 x {ref.get('ga')}"}}
 
 
 def table(families: dict[str, Any]) -> str:
@@ -238,7 +212,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
-    ap.add_argument("--shared", default=".shared_bench", help="folder with the shared reference_recipe.py")
     ap.add_argument("--work", default="/tmp/qlora-families")
     ap.add_argument("--families", default="", help="comma list; empty = all of tests/families.FAMILIES")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per family")
@@ -248,6 +221,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="bench_train's example lengths are cut here")
     ap.add_argument("--shape-steps", type=int, default=8, help="timed pipeline steps, after 2 warm-up steps")
     ap.add_argument("--reference-steps", type=int, default=6, help="timed reference steps, after 2 warm-up steps")
+    ap.add_argument("--reference-ga", type=int, default=16, help="the reference recipe's micro-batches per step")
     ap.add_argument("--speed", default="{}", help="JSON SpeedArgs overrides for the families' training, e.g. "
                     '\'{"gpu_memory_budget_gb": 0.3}\' so the plan recomputes and offloads layers')
     ap.add_argument("--skip", default="", help="comma list of: families, shape")

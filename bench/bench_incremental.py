@@ -10,7 +10,7 @@ prepare_data through .fn():
   fresh full    the grown folder into another empty runs_dir: what a night without parts would cost;
   one file      (--one-file) the grown folder's rows as one file, prepared in one pass without parts: what
                 the parts cost a full preparation (their write and read back).
-Prints the three side by side, the incremental run's share of the fresh full one (the issue's target: 10% at
+Prints the three side by side, the incremental run's share of the fresh full one (the aim: 10% at
 most), whether its train.parquet and eval.parquet equal the fresh full preparation's row for row and byte for
 byte, and writes the figures to bench/results/<date>-incremental-<host>.json. Not a test: times depend on the
 machine; nothing is asserted.

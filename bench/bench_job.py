@@ -1,10 +1,10 @@
 """The whole job on a GPU: the five stages of `qlora-pipeline run`, each timed, on real data, one command.
 
-Builds a Llama-3.1-8B-shaped model with random weights once (the shared reference_recipe.make_model_dir; values
-change neither time nor memory) with the project's own tokenizer copied beside it (data/tiny-llama: real text
-gives realistic token counts; its ids are a subset of the model's vocabulary), then runs the CLI
-(`python -m deployments.cli run --json`) on the 3,739 shared Dolly records (one epoch, the defaults,
-`export.merge`), once per tree: `--tree DIR` runs another checkout's code (e.g. the commit before a change,
+Builds a Llama-3.1-8B-shaped model with random weights once (bench/shapes.py; values change neither time nor
+memory) with the project's own tokenizer copied beside it (data/tiny-llama: real text gives realistic token
+counts; its ids are a subset of the model's vocabulary), then runs the CLI (`python -m deployments.cli run
+--json`) on the 3,739 open_qa records of databricks-dolly-15k (bench/dolly_open_qa.py writes them; one epoch, the
+defaults, `export.merge`), once per tree: `--tree DIR` runs another checkout's code (e.g. the commit before a change,
 `mkdir .base && git archive COMMIT flows tasks deployments data | tar -x -C .base`) side by side on the same model
 and data, each in a runs_dir of its own, so every stage computes. Per tree: each stage's seconds (its manifest's
 own timing: from the stage's start to its manifest), the run's wall time, and the stages other than
@@ -13,8 +13,8 @@ cache-key computation, where the base model's files are hashed, and Prefect's ta
 the JSON. `--profile` wraps each run in `py-spy record` (raw collapsed stacks of every process,
 written beside the JSON) when py-spy is importable as a command.
 
-usage (GPU host, repository root, after bench/README.md's set-up; .shared_bench holds the shared Dolly file):
-  python3 bench/bench_job.py --dolly .shared_bench/dolly_open_qa.jsonl --tree .base --out $OUT/job.json
+usage (GPU host, repository root, after bench/README.md's set-up):
+  python3 bench/bench_job.py --dolly /tmp/dolly_open_qa.jsonl --out bench/results/job-h200.json
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ STAGES = ("prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def build_model(folder: Path, shared: Path) -> float:
+def build_model(folder: Path) -> float:
     """The bf16 8B-shaped model with the project's tokenizer; seconds spent (0 when already built)."""
     if (folder / "config.json").exists():
         return 0.0
-    sys.path.insert(0, str(shared))
-    from reference_recipe import make_model_dir
+    sys.path.append(str(ROOT))
+    from bench.shapes import make_model_dir
 
     start = time.time()
-    make_model_dir(str(folder))
+    make_model_dir(folder)
     for name in TOKENIZER_FILES:
         if (ROOT / "data" / "tiny-llama" / name).exists():
             shutil.copy(ROOT / "data" / "tiny-llama" / name, folder / name)
@@ -56,10 +56,9 @@ def run_job(tree: Path, model: Path, dolly: Path, runs_dir: Path, extra: list[st
     """One `run` of the CLI from `tree`: its summary, wall time, each stage's seconds from its manifest and its
     span in the log (written to `log`)."""
     shutil.rmtree(runs_dir, ignore_errors=True)
-    # every run starts with the disk at rest: the model just built (16 GB for 8B) and the runs deleted before it still
-    # being written back or discarded slowed the first run's saves by up to 2x (export_adapter's 16 GB: 24.9 s in a
-    # machine's first run, 16.2 s in its third; bench/README.md, "Issue 24, seventh pass"), which a base model long
-    # on disk does not do
+    # every run starts with the disk at rest: the model just built (16 GB for 8B) and the runs deleted before it, still
+    # being written back, slow the next run's saves, which a base model long on disk does not (docs/performance.md,
+    # "The whole job")
     os.sync()
     sets = [f"model.base_model={model}", f"data.source={dolly.resolve()}", f"runs_dir={runs_dir}",
             "train.num_train_epochs=1", "export.merge=true", *extra]
@@ -119,8 +118,8 @@ def log_spans(log: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dolly", type=Path, default=ROOT.parent / "shared/data/dolly/dolly_open_qa.jsonl")
-    parser.add_argument("--shared", type=Path, default=ROOT / ".shared_bench", help="the shared bench scripts")
+    parser.add_argument("--dolly", type=Path, required=True, help="Dolly's open_qa records as JSON lines "
+                        "(python bench/dolly_open_qa.py FILE writes them)")
     parser.add_argument("--model", type=Path, default=Path("/tmp/qlora-job/llama-8b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/qlora-job"))
     parser.add_argument("--tree", type=Path, action="append", default=[], help="another checkout to run too")
@@ -132,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-                              "build_s": build_model(args.model, args.shared), "runs": []}
+                              "build_s": build_model(args.model), "runs": []}
     for i, tree in enumerate(args.tree if args.skip_root else [ROOT, *args.tree]):
         profile = args.out.parent / f"{args.out.stem}-{i}.stacks" if args.profile else None
         run = run_job(tree.resolve(), args.model, args.dolly, args.work / f"runs{i}", args.extra, profile,

@@ -1,7 +1,7 @@
 """Data-parallel scaling of train_adapter: 1 GPU against 2 (DDP), and the FSDP option, in one run.
 
-Builds the Llama-3.1-8B-shaped model with random weights once (bench_train's build: the shared
-reference_recipe.make_model_dir, quantized by the pipeline's prepare_model stage; a second 4-bit copy stores
+Builds the Llama-3.1-8B-shaped model with random weights once (bench_train's build: bench/shapes.py's model,
+quantized by the pipeline's prepare_model stage; a second 4-bit copy stores
 its weights as bfloat16 for FSDP), writes bench_train's synthetic examples (lognormal lengths, median 250, cut
 at 2,048, seed 0) as train.parquet, and trains each variant through train_adapter's own launcher
 (tasks.train_adapter.launch.launch: torchrun, one process per GPU), each in a fresh process group:
@@ -16,8 +16,8 @@ Each figure is train_adapter's own: real (non-padding) tokens/s of all ranks tog
 first optimizer step to the end of the last (tasks.train_adapter.callbacks.Progress.summary), the peak GPU memory of the
 busiest rank, the loss. scaling_2_over_1 = two_gpus / one_gpu real tokens/s.
 
-usage (a host with 2 GPUs, from the repository root; see bench/README.md for the wheels):
-  python3 bench/bench_multi_gpu.py --shared .shared_bench --out bench/results --logs $OUT
+usage (a host with 2 GPUs, from the repository root; bench/README.md has the set-up):
+  python3 bench/bench_multi_gpu.py --out bench/results/multi-gpu-h200x2.json
 CPU smoke test of this script (tiny model, gloo, the resume check with DDP, no FSDP):
   python bench/bench_multi_gpu.py --tiny --steps 6 --n 400 --out /tmp/mg --logs /tmp/mg
 """
@@ -87,7 +87,6 @@ def kill_after_checkpoint(runner: bt.Runner, spec: dict[str, Any], step: int, lo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--shared", default=".shared_bench", help="folder with the shared reference_recipe.py")
     ap.add_argument("--model-dir", default="/tmp/llama8b")
     ap.add_argument("--work", default="/tmp/qlora-bench-mg")
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per variant (the first is warm-up)")
@@ -95,7 +94,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: one_gpu, two_gpus, fsdp, fsdp_resume")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per variant before it is killed")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the embedded tiny model, gloo, DDP only")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results", help="the result's JSON, or a folder for a dated name")
     ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-bench-mg"))
     a = ap.parse_args()
     if a.worker:
@@ -106,7 +105,8 @@ def main() -> None:
     runner = bt.Runner(logs / "bench-multi-gpu.log")
     result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                               "versions": bt._versions(), "gpu": bt._gpu(), "train": TRAIN, "steps": a.steps}
-    path = Path(a.out) / f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200x2'}-multi-gpu.json"
+    path = Path(a.out) if a.out.endswith(".json") else \
+        Path(a.out) / f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200x2'}-multi-gpu.json"
     skip = set(filter(None, a.skip.split(",")))
     train = {**TRAIN, "max_steps": a.steps}
     if a.tiny:
@@ -155,10 +155,9 @@ def main() -> None:
 
 def _models(runner: bt.Runner, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The 8B-shaped model, quantized twice: uint8 storage (DDP) and bfloat16 storage (FSDP)."""
-    shared = str(Path(a.shared).resolve())
     out = {}
     for name, model in (("uint8_storage", {}), ("bf16_storage", {"bnb_4bit_quant_storage": "bfloat16"})):
-        built = runner.run(f"build {name}", bt.worker_cmd("build", {"shared": shared, "model_dir": a.model_dir,
+        built = runner.run(f"build {name}", bt.worker_cmd("build", {"model_dir": a.model_dir,
                                                                     "runs_dir": str(work / "runs"), "model": model}))
         out[name], out[f"{name}_s"] = built["model_dir_4bit"], built.get("prepare_model_s")
     return out

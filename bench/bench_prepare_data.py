@@ -2,8 +2,8 @@
 
     python bench/bench_prepare_data.py [--rows 200000] [--seed-file F.jsonl | --source F.jsonl] [--tokenizer DIR]
 
-Writes a dolly-format JSON-lines file of --rows records (cycled from --seed-file, by default ../shared's
-Dolly subset when it is there, else the embedded sample; each made unique), then, after both sides'
+Writes a dolly-format JSON-lines file of --rows records (cycled from --seed-file: the embedded sample by default,
+or Dolly's open_qa records from bench/dolly_open_qa.py; each made unique), then, after both sides'
 imports and a tokenizer load (so neither pays them), times:
   prepare_data   the stage through .fn(): read, format, tokenize on all cores, split, write Parquet;
   baseline       load_dataset("json") + .map(tokenizer, batched=True) on the same prompt+response text
@@ -25,10 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.config import EMBEDDED_DATA, EMBEDDED_MODEL, PROJECT_ROOT, DataArgs, ModelArgs  # noqa: E402
+from tasks.config import EMBEDDED_DATA, EMBEDDED_MODEL, DataArgs, ModelArgs  # noqa: E402
 from tasks.prepare_data.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER  # noqa: E402
-
-SHARED_DOLLY = PROJECT_ROOT.parent / "shared" / "data" / "dolly" / "dolly_open_qa.jsonl"
 
 
 def make_file(path: Path, rows: int, seed_file: Path) -> Path:
@@ -115,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--source", type=Path, help="an existing dolly-format .jsonl (default: generate one)")
-    parser.add_argument("--seed-file", type=Path, default=SHARED_DOLLY if SHARED_DOLLY.is_file() else EMBEDDED_DATA,
+    parser.add_argument("--seed-file", type=Path, default=EMBEDDED_DATA,
                         help="dolly-format records to cycle through when generating the file")
     parser.add_argument("--tokenizer", default=str(EMBEDDED_MODEL), help="a local model folder with a tokenizer")
     parser.add_argument("--max-seq-length", type=int, default=512)

@@ -1,6 +1,6 @@
 """prepare_data's fixed costs on a small file, then prepare_model, as the job pays them: one process, fresh runs_dir.
 
-    python bench/bench_prepare_overhead.py [--source F.jsonl] [--runs DIR] [--alone]
+    python bench/bench_prepare_overhead.py --source F.jsonl [--runs DIR] [--alone]
 
 Runs prepare_data and then prepare_model (the embedded tiny Llama, whose tokenizer bench_job.py copies beside
 its 8B model) in one flow run on a temporary Prefect server, as `qlora-pipeline run` does, and prints each stage's
@@ -21,12 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))  # the tree to measure: the working directory's (bench_job.py's --tree idea)
 
-DOLLY = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "dolly" / "dolly_open_qa.jsonl"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=DOLLY)
+    parser.add_argument("--source", type=Path, required=True, help="a dolly-format file, e.g. Dolly's open_qa "
+                        "records from bench/dolly_open_qa.py")
     parser.add_argument("--runs", type=Path, default=Path(tempfile.gettempdir()) / "bench-prepare-overhead")
     parser.add_argument("--alone", action="store_true", help="prepare_data only, through .fn() outside a flow")
     args = parser.parse_args()

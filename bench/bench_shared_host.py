@@ -11,7 +11,7 @@ written to --out as soon as it is measured):
   alone       one run;
   sequential  --runs runs, one after another.
 Wall time, and total CPU time (user + sys) of the runs' processes and everything they started (their torchrun
-ranks, tokenizer workers), from os.wait4; the server's own CPU time beside it. Target (issue 26): concurrent wall
+ranks, tokenizer workers), from os.wait4; the server's own CPU time beside it. The aim: concurrent wall
 at most about runs x alone, concurrent CPU no more than sequential. Not a test: figures depend on the machine.
 """
 

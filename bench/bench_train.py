@@ -1,13 +1,14 @@
 """Training speed and memory of train_adapter beside the reference recipe (and Unsloth), in one GPU run.
 
-Builds a Llama-3.1-8B-shaped model with random weights once (the shared reference_recipe.make_model_dir),
-quantizes it through the pipeline's own prepare_model stage, then measures on the same synthetic examples
-(token ids at random, lengths lognormal with median 250 and sigma 0.8, at least 16, cut at --seq, seed 0):
+Builds a Llama-3.1-8B-shaped model with random weights once (bench/shapes.py), quantizes it through the pipeline's
+own prepare_model stage, then measures on the same synthetic examples (token ids at random, lengths lognormal with
+median 250 and sigma 0.8, at least 16, cut at --seq, seed 0):
 
-  (a) reference: the shared reference_recipe.py, as a subprocess (HF Trainer + PEFT + bnb, micro-batch 1)
+  (a) reference: bench/reference_recipe.py, as a subprocess (transformers + peft + bitsandbytes, q/k/v/o,
+                 micro-batch 1 x --reference-ga)
   (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter.fit._peft_model and _trainer) with
                  its defaults, LoRA r=16 on all seven projections
-  (c) unsloth:   the shared unsloth_probe.py, where its wheels are installed (--unsloth-site)
+  (c) unsloth:   bench/unsloth_peer.py in Unsloth's own environment (--unsloth-python or --unsloth-site)
 
 For each: real (non-padding) tokens/s, time per 1,000 examples, peak allocated and reserved GPU memory,
 losses, and the longest sequence that trains under a 16 GiB cap (torch.cuda.set_per_process_memory_fraction).
@@ -15,8 +16,8 @@ pipeline.loss_rel_diff is the relative difference of the per-token loss of the p
 and the reference recipe's (prepare_model_for_kbit_training, micro-batch 1) on the same 4-bit weights and
 examples before any update. Timed runs go one at a time; the capped probes run side by side afterwards.
 
-usage (GPU host, from the repository root; see bench/README.md):
-  python bench/bench_train.py --shared .shared_bench --out bench/results --logs $OUT
+usage (GPU host, from the repository root; bench/README.md has the set-up):
+  python bench/bench_train.py --out bench/results/train-h200.json --logs /tmp/qlora-bench-logs
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Shared data: the same lengths and ids as the shared scripts
+# The examples: every tool trains on these lengths and ids
 # --------------------------------------------------------------------------------------------------------------
 
 def settings(flat: dict[str, Any]) -> tuple[Any, Any]:
@@ -80,12 +81,12 @@ def write_examples(path: Path, rows: list[list[int]]) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 
 def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
-    """The bf16 8B-shaped model (shared make_model_dir), a 128,256-id tokenizer, and the pipeline's 4-bit stage."""
-    sys.path.insert(0, spec["shared"])
-    from reference_recipe import make_model_dir
+    """The bf16 model of spec's shape (bench/shapes.py; the 8B shape by default), a 128,256-id tokenizer, and the
+    pipeline's 4-bit stage."""
+    from bench.shapes import make_model_dir
 
     t = time.time()
-    make_model_dir(spec["model_dir"])
+    make_model_dir(spec["model_dir"], spec.get("shape", "llama-3.1-8b"))
     made = time.time() - t
     _write_tokenizer(Path(spec["model_dir"]))
     import tasks.prepare_model.stage as pm
@@ -388,7 +389,7 @@ def worker_matmul(spec: dict[str, Any]) -> dict[str, Any]:
 
 def flops_per_token(config: dict[str, Any]) -> float:
     """6 x parameters: forward, recomputation and the input gradient (frozen weights need no weight gradient),
-    2 FLOP per weight each; the embedding counted as the issue counts it (8.0e9 for the 8B shape)."""
+    2 FLOP per weight each; the embedding and output layer counted once each (8.0e9 for the 8B shape)."""
     h, i, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
     kv = h // config["num_attention_heads"] * config.get("num_key_value_heads", config["num_attention_heads"])
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
@@ -470,12 +471,33 @@ def longest_fit(runs: list[dict[str, Any]]) -> int | None:
     return max(fits) if fits else None
 
 
+def reference_cmd(model_dir: str, seq: int) -> list[str]:
+    """bench/reference_recipe.py on model_dir, its lengths cut at seq."""
+    return [sys.executable, str(ROOT / "bench" / "reference_recipe.py"), model_dir, "--seq", str(seq)]
+
+
+def unsloth_cmd(python: str, model_dir: str, seq: int) -> list[str]:
+    """bench/unsloth_peer.py under Unsloth's Python."""
+    return [python, str(ROOT / "bench" / "unsloth_peer.py"), model_dir, "--seq", str(seq)]
+
+
+def unsloth_setup(a: argparse.Namespace, env: dict[str, str]) -> tuple[str, dict[str, str] | None]:
+    """The Python that runs Unsloth and its environment; no environment when neither option names one."""
+    if not (a.unsloth_python or a.unsloth_site):
+        return "", None
+    uns_env = {**env, "HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
+    if a.unsloth_site:  # its packages shadow this Python's own (transformers, trl, datasets)
+        uns_env["PYTHONPATH"] = a.unsloth_site
+    return a.unsloth_python or sys.executable, uns_env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
-    ap.add_argument("--shared", default=".shared_bench", help="folder with reference_recipe.py, unsloth_probe.py")
     ap.add_argument("--model-dir", default="/tmp/llama8b")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="bench/shapes.py's shape to build into --model-dir "
+                    "(tiny-llama: a CPU smoke test of this script)")
     ap.add_argument("--work", default="/tmp/qlora-bench")
     ap.add_argument("--seq", type=int, default=2048, help="lengths are cut at this many tokens")
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps, after 2 warm-up steps")
@@ -483,11 +505,14 @@ def main() -> None:
                     "micro-batches are smaller: more steps for the same timed tokens)")
     ap.add_argument("--loss-examples", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)  # CPU smoke tests: tiny models
-    ap.add_argument("--unsloth-site", default="", help="PYTHONPATH holding Unsloth's wheels; empty = skip (c)")
+    ap.add_argument("--unsloth-python", default="", help="the Python of a virtual environment with Unsloth "
+                    "installed (bench/README.md); empty, and no --unsloth-site: skip (c)")
+    ap.add_argument("--unsloth-site", default="", help="or: a folder of Unsloth's packages put first on PYTHONPATH "
+                    "for this Python (a GPU host without network)")
     ap.add_argument("--unsloth-bs", type=int, default=2)
     ap.add_argument("--unsloth-ga", type=int, default=4)
     ap.add_argument("--unsloth-steps", type=int, default=6, help="timed steps of (c), after its 2 warm-up steps")
-    ap.add_argument("--reference-ga", type=int, default=4)
+    ap.add_argument("--reference-ga", type=int, default=16, help="the reference recipe's micro-batches per step")
     ap.add_argument("--pipeline-ladder", default="32768,65536,98304,131072")
     ap.add_argument("--reference-ladder", default="2048,4096")
     ap.add_argument("--unsloth-ladder", default="32768,65536")
@@ -495,7 +520,8 @@ def main() -> None:
                     "optionally tree (another commit's tasks/) and compile (layers or inside: bench/compile_layers.py)")
     ap.add_argument("--profile-tokens", type=int, default=0, help="profile one pipeline micro-step of this size")
     ap.add_argument("--skip", default="", help="comma list of: reference, unsloth, caps, pipeline")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/results/train-h200.json", help="the result's JSON (a folder: "
+                    "<date>-h200.json in it)")
     ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/qlora-bench"))
     a = ap.parse_args()
     if a.worker:
@@ -505,22 +531,20 @@ def main() -> None:
     skip = set(filter(None, a.skip.split(",")))
     logs = Path(a.logs)
     runner = Runner(logs / "bench.log")
-    shared = str(Path(a.shared).resolve())
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     result: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                               "seq": a.seq, "versions": _versions(), "gpu": _gpu()}
     work = Path(a.work)
-    out = Path(a.out)
-    path = out / f"{result['date']}-h200.json"
+    path = Path(a.out) if a.out.endswith(".json") else Path(a.out) / f"{result['date']}-h200.json"
 
     def save() -> None:  # after every phase, so a run cut short still leaves its figures
-        out.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**summarize(result, mean_len, a), "raw": result}, indent=1) + "\n")
         (logs / path.name).write_text(path.read_text())
 
     mean_len = 0.0
-    build = runner.run("build", worker_cmd("build", {"shared": shared, "model_dir": a.model_dir,
-                                                     "runs_dir": str(work / "runs")}), timeout=900)
+    build = runner.run("build", worker_cmd("build", {"model_dir": a.model_dir, "runs_dir": str(work / "runs"),
+                                                     "shape": a.shape}), timeout=900)
     result["build"] = build
     four = build["model_dir_4bit"]
     result["matmul"] = runner.run("matmul", worker_cmd("matmul", {}))
@@ -542,17 +566,16 @@ def main() -> None:
                                                                    worker_cmd("pipeline", spec), tree_env(extra))
         save()
     if "reference" not in skip:
-        cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, str(a.seq), "--lengths", "dolly",
-               "--ga", str(a.reference_ga), "--steps", str(a.steps)]
+        cmd = [*reference_cmd(a.model_dir, a.seq), "--ga", str(a.reference_ga), "--steps", str(a.steps)]
         result["reference_run"] = runner.run("reference", cmd, env=env)
         save()
-    uns_env = None
-    if a.unsloth_site and "unsloth" not in skip:
-        uns_env = {**env, "PYTHONPATH": a.unsloth_site, "HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
-        cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, str(a.seq), str(a.unsloth_bs),
-               str(a.unsloth_ga), "--packing", "--targets", "all", "--steps", str(a.unsloth_steps)]
-        Path("/tmp/unsloth-cwd").mkdir(exist_ok=True)
-        result["unsloth_run"] = runner.run("unsloth", cmd, env=uns_env, cwd="/tmp/unsloth-cwd", timeout=360)
+    uns_python, uns_env = unsloth_setup(a, env)
+    unsloth_cwd = str(work / "unsloth-cwd")  # Unsloth writes its compiled cache into the working directory
+    if uns_env and "unsloth" not in skip:
+        cmd = [*unsloth_cmd(uns_python, a.model_dir, a.seq), "--bs", str(a.unsloth_bs), "--ga", str(a.unsloth_ga),
+               "--packing", "--steps", str(a.unsloth_steps)]
+        Path(unsloth_cwd).mkdir(parents=True, exist_ok=True)
+        result["unsloth_run"] = runner.run("unsloth", cmd, env=uns_env, cwd=unsloth_cwd, timeout=360)
         save()
 
     if "caps" not in skip:  # untimed probes, side by side
@@ -566,15 +589,16 @@ def main() -> None:
             jobs["refloss"] = pool.submit(runner.run, "reference loss", worker_cmd("refloss", spec))
             if "reference" not in skip:
                 for s in filter(None, a.reference_ladder.split(",")):
-                    cmd = [sys.executable, f"{shared}/reference_recipe.py", a.model_dir, s, "--lengths", "fixed",
-                           "--ga", "1", "--steps", "1", "--cap-gib", "16"]
+                    cmd = [*reference_cmd(a.model_dir, int(s)), "--lengths", "fixed", "--ga", "1", "--steps", "1",
+                           "--cap-gib", "16"]
                     jobs[f"reference_cap_{s}"] = pool.submit(runner.run, f"reference cap {s}", cmd, env)
-            if uns_env:
+            if uns_env and "unsloth" not in skip:
+                Path(unsloth_cwd).mkdir(parents=True, exist_ok=True)
                 for s in filter(None, a.unsloth_ladder.split(",")):
-                    cmd = [sys.executable, f"{shared}/unsloth_probe.py", a.model_dir, s, "1", "1", "--fixed",
-                           "--targets", "all", "--steps", "1", "--cap-gib", "16"]
+                    cmd = [*unsloth_cmd(uns_python, a.model_dir, int(s)), "--bs", "1", "--ga", "1", "--fixed",
+                           "--steps", "1", "--cap-gib", "16"]
                     jobs[f"unsloth_cap_{s}"] = pool.submit(runner.run, f"unsloth cap {s}", cmd, uns_env,
-                                                           360, "/tmp/unsloth-cwd")
+                                                           360, unsloth_cwd)
         result.update({k: f.result() for k, f in jobs.items()})
 
     save()
@@ -583,7 +607,7 @@ def main() -> None:
 
 
 def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict[str, Any]:
-    """The issue's fields: reference.*, pipeline.*, unsloth.* with GPU, versions, date, command."""
+    """The summary: reference.*, pipeline.*, unsloth.* with GPU, versions, date, command."""
     def per_1000(tps: float | None) -> float | None:
         return round(1000 * mean_len / tps, 1) if tps else None
 
@@ -595,8 +619,8 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                 not v.get("oom") and "error" not in v]
         s["reference"] = {"real_tokens_per_s": ref.get("real_tokens_per_s"),
                           "seconds_per_1000_examples": per_1000(ref.get("real_tokens_per_s")),
-                          "peak_allocated_gib": ref.get("train_peak_alloc_gib"),
-                          "peak_reserved_gib": ref.get("train_peak_reserved_gib"),
+                          "peak_allocated_gib": ref.get("peak_allocated_gib"),
+                          "peak_reserved_gib": ref.get("peak_reserved_gib"),
                           "max_seq_under_16gib": max(fits) if fits else None,
                           "tried_under_16gib": a.reference_ladder, "losses": ref.get("losses"),
                           "setup": f"reference_recipe.py, q/k/v/o, micro-batch 1 x {a.reference_ga}"}
@@ -625,11 +649,11 @@ def summarize(r: dict[str, Any], mean_len: float, a: argparse.Namespace) -> dict
                 not v.get("oom") and "error" not in v]
         s["unsloth"] = {"real_tokens_per_s": uns.get("real_tokens_per_s"),
                         "seconds_per_1000_examples": per_1000(uns.get("real_tokens_per_s")),
-                        "peak_allocated_gib": uns.get("peak_alloc_gib"),
+                        "peak_allocated_gib": uns.get("peak_allocated_gib"),
                         "peak_reserved_gib": uns.get("peak_reserved_gib"),
                         "max_seq_under_16gib": max(fits) if fits else None, "tried_under_16gib": a.unsloth_ladder,
                         "losses": uns.get("losses"),
-                        "setup": f"unsloth_probe.py --packing, all 7, micro-batch {a.unsloth_bs} x {a.unsloth_ga}"}
+                        "setup": f"unsloth_peer.py --packing, all 7, micro-batch {a.unsloth_bs} x {a.unsloth_ga}"}
     return s
 
 

@@ -31,7 +31,7 @@ from typing import Any
 VERSION = "1"  # of this builder; part of the stage key, beside prepare_model's own version
 GIB = 2**30
 
-# Llama-3.1-70B's shape (issue 15); "tiny" runs the whole bench on a CPU in minutes
+# Llama-3.1-70B's shape; "tiny" runs the whole bench on a CPU in minutes
 SHAPES: dict[str, dict[str, Any]] = {
     "70b": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
             "intermediate_size": 28672, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,

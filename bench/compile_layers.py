@@ -1,4 +1,4 @@
-"""torch.compile over the decoder layers, for the benches: issue 15's host-side lever, kept out of the config
+"""torch.compile over the decoder layers, for the benches: a host-side lever, kept out of the config
 until a GPU run has timed it (bench/README: "the compile probe on a GPU").
 
 Two ways in, by checkpointing:

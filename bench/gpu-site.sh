@@ -1,29 +1,73 @@
 #!/bin/bash
-# One archive of every package the GPU host's Python (3.12, no network) lacks for the whole pipeline, the CLI and
-# its temporary Prefect server included: .gpu/site.tar.xz, about 38 MiB, where the wheels themselves (fetch-wheels.sh
-# plus this venv's transformers, peft, trl, accelerate, liger-kernel, gguf and py-spy) are over the device tool's
-# 64 MiB. The wheels are installed here for cp312 with `pip install --target` and packed with xz.
-# usage (repository root, venv active): bench/gpu-site.sh
-# on the GPU host, `.gpu` carried:  mkdir -p /tmp/site && tar -xJf .gpu/site.tar.xz -C /tmp/site \
-#                                   && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+# Packages for a GPU host that has Python and a CUDA build of torch but no network: every package of this
+# virtual environment that the host lacks, installed for the host's Python into one folder and packed as
+# .gpu/site.tar.xz; with --unsloth also Unsloth's own set (its pins differ from the project's) as .gpu/unsloth.tar.xz.
+# A GPU host with network needs none of this: bench/README.md, "Set-up".
+#
+# usage (repository root, this project's venv active, network here):
+#   bench/gpu-site.sh [--python 3.12] [--host-packages FILE] [--cuda 13] [--unsloth] [--list]
+#     --host-packages  `python3 -m pip list --format=freeze` run on the GPU host: what it has is not packed
+#     --cuda           keep only bitsandbytes' libraries for this CUDA major (and its CPU one): a smaller archive
+#     --list           print the pinned packages it would fetch, fetch nothing
+# on the GPU host, `.gpu` copied beside the repository:
+#   mkdir -p /tmp/site && tar -xJf .gpu/site.tar.xz -C /tmp/site && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+#   mkdir -p /tmp/siteu && tar -xJf .gpu/unsloth.tar.xz -C /tmp/siteu      # then bench_train.py --unsloth-site /tmp/siteu
 set -euo pipefail
+pyver=3.12 host="" cuda="" unsloth=0 list=0
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --python) pyver=$2; shift 2 ;;
+    --host-packages) host=$2; shift 2 ;;
+    --cuda) cuda=$2; shift 2 ;;
+    --unsloth) unsloth=1; shift ;;
+    --list) list=1; shift ;;
+    *) echo "gpu-site.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
 root=$(cd "$(dirname "$0")/.." && pwd)
-shared=${SHARED:-$root/../shared}
 cd "$root"
+plat=""
+for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do plat="$plat --platform $p"; done
+target=(--python-version "$pyver" --implementation cp --only-binary=:all: $plat)
+
+# name==version lines of this venv, lower-case, '_' as '-'
+freeze() { python3 -m pip list --format=freeze 2>/dev/null | tr '[:upper:]_' '[:lower:]-'; }
+# the host brings torch and CUDA; the project itself travels as the checkout; tracking, the UI test and linting
+# are not run on a GPU host
+skip='^(torch|triton|nvidia-.*|cuda-.*|pip|setuptools|wheel|qlora-pipeline|mlflow.*|selenium|ruff|databricks-sdk|trio.*)=='
+pins=$(freeze | grep -vE "$skip" || true)
+if [[ -n $host ]]; then  # leave out what the host already has, whatever its version
+  have=$(tr '[:upper:]_' '[:lower:]-' <"$host" | sed 's/[=<> ].*//' | sort -u)
+  pins=$(printf '%s\n' $pins | awk -F== 'NR==FNR{have[$1]=1; next} !($1 in have)' <(printf '%s\n' $have) -)
+fi
+grep -q '^liger-kernel==' <<<"$pins" || pins="$pins liger-kernel==0.8.5"  # the `gpu` extra: fused kernels on CUDA
+pins="$pins py-spy"  # bench_job.py --profile
+if [[ $list == 1 ]]; then printf '%s\n' $pins; exit 0; fi
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$shared/gpu/fetch-wheels.sh" "$tmp/whl" >/dev/null
-# not needed on the GPU host: tracking, the UI test, linting. huggingface_hub is pinned below with transformers: the
-# image has an older one (1.33), which fetch-wheels.sh leaves out and transformers 5.25 refuses (it needs >= 2.4)
-rm -f "$tmp"/whl/{mlflow,selenium,ruff,databricks_sdk,trio}*.whl
-pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(transformers|huggingface[-_]hub|peft|trl|accelerate|gguf|liger[-_]kernel)==' || true)
-grep -qi '^liger' <<<"$pins" || pins="$pins liger-kernel==0.8.5"
-python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" $pins py-spy graphviz 2>&1 | grep -v 'WARNING: Location' || true
-plat=""
-for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
-         manylinux1_x86_64 manylinux_2_5_x86_64; do plat="$plat --platform $p"; done
-python3 -m pip install -q --no-deps --no-compile --target "$tmp/site" --python-version 3.12 --implementation cp \
-  --only-binary=:all: $plat "$tmp"/whl/*.whl 2>&1 | grep -v 'WARNING: Location' || true
-mkdir -p .gpu
-XZ_OPT=-T0 tar -cJf .gpu/site.tar.xz -C "$tmp/site" .
-du -sh .gpu/site.tar.xz
+pack() {  # pack NAME WHEEL_DIR: install the wheels for the host's Python into a folder, then .gpu/NAME.tar.xz
+  if [[ -n $cuda ]]; then
+    for w in "$2"/bitsandbytes-*.whl; do
+      [[ -f $w ]] || continue
+      d=$(mktemp -d)
+      (cd "$d" && python3 -m zipfile -e "$w" . && find bitsandbytes -name 'libbitsandbytes_*' \
+         ! -name "*cuda${cuda}*" ! -name '*cpu*' -delete && rm "$w" && python3 -m zipfile -c "$w" ./*)
+      rm -rf "$d"
+    done
+  fi
+  python3 -m pip install -q --no-deps --no-compile --target "$tmp/$1" "${target[@]}" "$2"/*.whl
+  mkdir -p .gpu
+  XZ_OPT=-T0 tar -cJf ".gpu/$1.tar.xz" -C "$tmp/$1" .
+  du -sh ".gpu/$1.tar.xz"
+}
+
+python3 -m pip download -q --no-deps -d "$tmp/whl" "${target[@]}" $pins
+pack site "$tmp/whl"
+if [[ $unsloth == 1 ]]; then
+  # Unsloth resolves its own set (transformers <= 5.17, trl <= 1.15, datasets < 5); the host's torch stays
+  python3 -m pip download -q -d "$tmp/whlu" "${target[@]}" unsloth==2026.10.9 unsloth-zoo==2026.10.9
+  rm -f "$tmp"/whlu/{torch,triton,nvidia_,cuda_}*.whl
+  pack unsloth "$tmp/whlu"
+fi

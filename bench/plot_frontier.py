@@ -1,6 +1,6 @@
 """The memory plan's frontier: real tokens/s against the GPU memory budget, from a bench_train.py result.
 
-usage: python bench/plot_frontier.py bench/results/2026-12-02-h200-issue24-run4.json docs/img/frontier.png
+usage: python bench/plot_frontier.py bench/results/train-h200.json docs/img/frontier.png
 Prints the table the README shows and writes the plot (matplotlib, Agg).
 """
 
@@ -18,7 +18,7 @@ def frontier(result: dict) -> list[dict]:
     runs = [v for k, v in result.get("pipeline_variants", {}).items()
             if k.startswith("budget") and not k.split("/")[0].endswith(("_noskip", "_repeat"))]
     runs.append(result["pipeline"])
-    # run 4's offloaded layers (reverted: slower than recomputing) are not a plan the code makes
+    # offloaded layers (tried, slower than recomputing, reverted) are not a plan the code makes
     runs = [r for r in runs if not (r.get("plan") or {}).get("offload_layers")]
     return sorted(({"budget_gib": r["budget_gib"], "real_tokens_per_s": r["real_tokens_per_s"],
                     "peak_allocated_gib": r["peak_allocated_gib"], "predicted_peak_gib": r["predicted_peak_gib"],

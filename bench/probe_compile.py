@@ -1,4 +1,4 @@
-"""Probe for the torch.compile lever (issue 15): compile each decoder layer of a 4-bit LoRA model set up as
+"""Probe for the torch.compile lever: compile each decoder layer of a 4-bit LoRA model set up as
 train_adapter sets it up (fused LoRA layers, fused loss, packed rows, checkpointing), count Dynamo's graph breaks
 and compare the loss and LoRA gradients with the same model run eagerly. On CPU by default (the project's tiny
 Llama, NF4 through transformers' bitsandbytes loader); on a GPU with --device cuda (bf16 compute, the varlen

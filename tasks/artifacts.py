@@ -135,8 +135,9 @@ class TrainingProgress:
 
 
 def run_completed(train_status: str, steps: int | None) -> None:
-    """At the end of a successful run: a train-progress bar also when training was cached (one per run, as the
-    README says), and a run-failure card of an earlier attempt of this run (before a Retry) marked resolved."""
+    """At the end of a successful run: a train-progress bar also when training was cached (one per run, as
+    docs/operations.md says), and a run-failure card of an earlier attempt of this run (before a Retry) marked
+    resolved."""
     if not _in_run():
         return
     from prefect import get_client

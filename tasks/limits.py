@@ -1,6 +1,6 @@
 """The GPU pool and the host's CPU share, both on Prefect's global concurrency limits (nothing home-made).
 
-GPU pool (`qlora-pipeline setup [--gpus N]` creates it; README: Operating it with Prefect):
+GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The GPU pool"):
 
 - `qlora-gpu`, N slots (one per GPU of the worker; 1 slot on a worker without GPUs): a training run takes as many
   slots as it uses GPUs, so it waits, shown as "Waiting for GPU", until that many are free;

@@ -151,7 +151,7 @@ class EvalMetrics(_Metrics):
     generation_samples: int
     max_new_tokens: int
     lm_eval: str | None = None
-    # preference data (train.method dpo/kto; README: Preference tuning). reward = log p(answer) - log p_base(answer),
+    # preference data (train.method dpo/kto; docs/preference.md). reward = log p(answer) - log p_base(answer),
     # summed over the answer's tokens; accuracy = share of held-out pairs with reward(chosen) > reward(rejected)
     # (ties count half, so the base model scores 0.5); margin = mean reward(chosen) - reward(rejected)
     eval_pairs: int | None = None
@@ -165,8 +165,8 @@ class EvalMetrics(_Metrics):
     tuned_rejected_logps: float | None = None
     base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
     tuned_preference_accuracy: float | None = None
-    # the export registry's champion, scored in the same pass on the same batches and prompts (README: Nightly
-    # retraining); absent when there is none or it cannot be scored (another base model, damaged, old record)
+    # the export registry's champion, scored in the same pass on the same batches and prompts (docs/registry.md,
+    # the same-data rule); absent when there is none or it cannot be scored (another base model, damaged, old record)
     judged_against: str | None = None  # the champion's version (champion_version is the export's: champion now)
     champion_adapter: str | None = None  # its identity: a hash of its adapter files' sha256, not a path
     champion_eval_loss: float | None = None
@@ -337,10 +337,10 @@ def prefetch_sha256(paths: list[Path], runs_dir: Path | None = None) -> threadin
     """Start hashing `paths` (as files_sha256 does, into the same memos) on a background thread, and return it.
 
     Why: a stage's key needs its inputs' hashes before the stage can start, and the flow knows those inputs
-    earlier: the 8B base model's 16 GB took 4.3 s to hash on the H200 host, time the flow can spend while
-    prepare_data runs. A later files_sha256 of the same files waits for the hashes in flight instead of reading
-    the files again; where a read here failed, that call reads the file itself and raises what it meets, inside
-    the stage that needs the hash."""
+    earlier: hashing a base model's files takes seconds (docs/performance.md, "The whole job"), time the flow can
+    spend while prepare_data runs. A later files_sha256 of the same files waits for the hashes in flight instead of
+    reading the files again; where a read here failed, that call reads the file itself and raises what it meets,
+    inside the stage that needs the hash."""
     context = contextvars.copy_context()  # the run's logger and settings on the thread too
 
     def run() -> None:
@@ -357,9 +357,9 @@ def prefetch_sha256(paths: list[Path], runs_dir: Path | None = None) -> threadin
 def _sha256(path: Path) -> str:
     """sha256 of a file read in 16 MiB pieces. Why not hashlib.file_digest: its 256 KiB reads take the GIL back
     twice per piece, and beside a thread running Python (prepare_data importing transformers while the base model
-    is prefetched) each take waits up to the interpreter's 5 ms switch interval: 1 GB hashed in 0.72 s alone took
-    38.4 s beside a busy Python thread, in 16 MiB pieces 0.82 and 1.36 s (bench/bench_hashing.py --contended).
-    Read and update both release the GIL, so threads hash files at once."""
+    is prefetched) each take waits up to the interpreter's 5 ms switch interval, which made hashing beside a busy
+    Python thread tens of times slower (docs/performance.md, "The whole job"). Read and update both release the
+    GIL, so threads hash files at once."""
     digest, piece = hashlib.sha256(), bytearray(_READ_BYTES)
     view = memoryview(piece)
     with path.open("rb", buffering=0) as f:

@@ -143,18 +143,18 @@ def compute_dtype(choice: str) -> torch.dtype:
 
 # Keyword arguments of every from_pretrained that builds the model to train or evaluate. transformers 5.25 turned
 # `use_kernels` on by default: after loading, the model's layers are swapped for kernels downloaded from the Hub
-# (on the H200: kernels-community/rotary, so prepare_model failed offline with "could not verify publisher trust
-# status"). That is a network fetch at run time, and layers train_adapter did not choose beside the ones it does
-# (the fused LoRA layers, Liger's kernels, the memory plan's recomputation); so they stay off.
+# (kernels-community/rotary for Llama, so a machine without network fails to load). That is a network fetch at run
+# time, and layers train_adapter did not choose beside the ones it does (the fused LoRA layers, Liger's kernels, the
+# memory plan's recomputation); so they stay off.
 LOAD_KWARGS = {"use_kernels": False}
 
 
 # transformers' bitsandbytes integration quantizes only layers whose type is exactly nn.Linear (replace_with_bnb_linear,
 # transformers 5.24). Falcon builds its projections from FalconLinear, an nn.Linear subclass that computes the same
-# input @ weight.T + bias, so its "4-bit" checkpoint kept every layer in bf16 (a 4-layer Falcon on the H200:
-# linear_4bit_layers 0, 87 MB where GPT-NeoX's is 24 MB). While such a model is built, the subclass's name in its
-# modeling module stands for nn.Linear itself. Other nn.Linear subclasses in transformers (routers, grouped or
-# decoupled layers) compute something else and are not listed.
+# input @ weight.T + bias, so its "4-bit" checkpoint kept every layer in bf16 (modules.json counted no 4-bit
+# layer). While such a model is built, the subclass's name in its modeling module stands for nn.Linear itself. Other
+# nn.Linear subclasses in transformers (routers, grouped or decoupled layers) compute something else and are not
+# listed.
 SAME_AS_LINEAR = {"falcon": ("transformers.models.falcon.modeling_falcon", "FalconLinear")}
 
 
@@ -262,10 +262,8 @@ def dequantize_decision(model: Any, choice: bool | str) -> tuple[bool, str]:
     extra = dequantized_extra_bytes(model)
     if extra <= 0:
         return False, "no 4-bit layers"
-    # auto dequantizes on CPU too when the copy fits: the 4-bit layer dequantizes every weight on every forward.
-    # Measured on the tests' stories260K (15 eval examples, 15 x 32 greedy tokens; 2-core shared dev host, noisy,
-    # 2026-12-02): dequantized fp32 loss 3.5 s, generation 43 s; 4-bit fp32 math 2.6 s, 85 s; bnb's AVX512-BF16
-    # CPU kernel 4.9 s, 47 s. Same losses to the last bit in all three.
+    # auto dequantizes on CPU too when the copy fits: the 4-bit layer dequantizes every weight on every forward
+    # (docs/performance.md, "Evaluation", has the CPU figures)
     if choice is not True and choice is not False:  # auto: the copy must fit with a margin
         on = next(model.parameters()).device.type
         free, total = free_memory(on)
@@ -307,8 +305,8 @@ def dequantize_in_place(model: Any) -> Any:
 def allocator_restored() -> Iterator[None]:
     """Run training, then put back the CUDA allocator setting it changed: training turns on expandable segments
     (train_adapter/plan.py prepare_base: reserved memory stays near allocated), a process-wide setting that
-    evaluate_adapter and export_adapter, in the same process in a run without the GPU pool, did not choose.
-    (Measured on the H200, neither setting changes evaluation's time in a fresh process: bench/README.md.)"""
+    evaluate_adapter and export_adapter, in the same process in a run without the GPU pool, did not choose (in a
+    fresh process neither setting changes evaluation's time: docs/performance.md, "Evaluation")."""
     try:
         yield
     finally:
@@ -334,8 +332,7 @@ def freeze_startup_objects(*_hook_args: object, **_hook_kwargs: object) -> None:
     functions) leaves the garbage collector's reach (gc.freeze), once per process.
 
     Why: release_device_memory's gc.collect(), which frees a model held in reference cycles, scanned them all at
-    every call: 0.6 s per call on a 2-core CPU host here (0.2 s after the freeze), about 0.9 s on the H200 host
-    (py-spy, bench/README.md "Issue 24, fifth pass"), three to four calls per run. Frozen objects
+    every call, three to four calls per run (docs/performance.md, "Evaluation", has the seconds). Frozen objects
     that later become garbage in a cycle are never freed: harmless for what exists at a flow's start, unless a
     GPU already holds tensors (a notebook with a model loaded), and then the freeze steps aside."""
     import gc
@@ -366,7 +363,7 @@ def load_for_evaluation(model_dir: Path, choice: bool | str) -> Any:
 
     start = time.perf_counter()
     # a stage that ran before in this process (train_adapter without the GPU pool's child process) leaves its
-    # memory in torch's cache: measured on an H200, 120 of 140 GiB looked taken and auto chose the 4-bit path
+    # memory in torch's cache, which would make the dequantized copy look as if it did not fit
     release_device_memory()
     model = load_quantized(model_dir)
     dequantized, why = dequantize_decision(model, choice)

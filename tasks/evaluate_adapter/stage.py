@@ -152,9 +152,9 @@ def _without_cudnn_attention() -> contextlib.AbstractContextManager[Any]:
     """On a GPU: scaled_dot_product_attention without its cuDNN backend (flash, memory-efficient and math stay).
 
     Why: evaluation's padded batches are masked bf16 calls, for which torch prefers cuDNN on sm90 and newer, and
-    cuDNN builds a graph for every new problem shape (27 loss-batch shapes and a new key length per decoding step
-    in the 8B job); on a machine's first run that cost the base model's loss pass 6.5-9.4 s against 2.5 s
-    (bench/README.md, "Issue 24, fifth pass"). The memory-efficient kernel takes the same masks precompiled."""
+    cuDNN builds a graph for every new problem shape (each loss-batch shape and a new key length per decoding step),
+    which made the first pass several times slower (docs/performance.md, "Evaluation"). The memory-efficient kernel
+    takes the same masks precompiled."""
     import torch
 
     if not torch.cuda.is_available():
@@ -207,9 +207,9 @@ def _attached(model: Any, adapter: Path) -> Any:
     the 4-bit one.
 
     Why merged: a merged layer is one matmul, where peft's LoRA adds two more in float32 (the adapter's dtype) and
-    its casts; on the H200 the 8B job's tuned loss pass and answers took 2.9 and 1.9-3.2 s against the base
-    model's 1.8 and 1.0-1.2 s (bench/README.md, "Issue 24, seventh pass"). The tuned numbers are then those of the
-    merged weights, each rounded to the compute dtype once, as export.merge writes them."""
+    its casts, which made the tuned passes slower than the base model's (docs/performance.md, "Evaluation").
+    The tuned numbers are then those of the merged weights, each rounded to the compute dtype once, as export.merge
+    writes them."""
     from peft import PeftModel
 
     # peft's default load, not low_cpu_mem_usage: that one rounds the adapter's float32 weights to the base's bf16
@@ -253,8 +253,8 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
 
     Why: a nightly run trains a new adapter, but on a fixed eval set (data.eval_source) the base model's and the
     champion's numbers are the same every night (evaluation is deterministic: the same batches and greedy prompts);
-    only the tuned adapter needs computing. On the H200 the base model's loss and answers were 9.0 of
-    evaluate_adapter's 16.9 s (bench/README.md, "Issue 24, fourth pass"). The device is in the key: a GPU's
+    only the tuned adapter needs computing (the base model's passes were about half of evaluate_adapter's time:
+    docs/performance.md, "Evaluation"). The device is in the key: a GPU's
     kernels give other last digits than the CPU's, and a CPU's can change with its number of threads. None when
     prepare_data recorded no hash of eval.parquet."""
     import torch

@@ -38,8 +38,8 @@ from tasks.runtime import (
 VERSION = "3"  # 3: Falcon's FalconLinear layers quantized (they stayed bf16); 2: the attention implementation recorded
 # safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
 # a 70B model's 4-bit checkpoint (39.5 GB) would need ~37 GiB of host memory in one piece. 2 GB shards bound it,
-# and let the manifest's sha256 run one thread per shard (one file's hash cannot be split: the 8B checkpoint's
-# 5.5 GB, a 5 GB shard and the rest, took ~6 s to hash one after the other on the H200 host, 2026-12-02).
+# and let the manifest's sha256 run one thread per shard (one file's hash cannot be split; docs/performance.md,
+# "Large models")
 SHARD_SIZE = "2GB"
 
 

@@ -78,7 +78,7 @@ def _fetch(ctx: Any) -> None:
 
     The copy gets its memory from the side stream's own pool, so it need not wait for the compute stream; stream
     order puts it after the forward's copy to the host. Issued one layer ahead, it no longer holds up the compute
-    stream as a copy at the start of each layer's backward did (about 5% of a default step on an H200)."""
+    stream, as a copy at the start of each layer's backward would."""
     import torch
 
     if ctx.fetched is not None or ctx.saved is None:
@@ -197,10 +197,9 @@ def _host_embedding_type() -> type:
         copies the ids to the host, which waits for the GPU's queued work, looks the rows up there into pinned
         memory and copies them (tokens x hidden) to the ids' device without waiting.
 
-        Why not look the rows up in the pack collator, one batch ahead, and skip that wait: measured side by side
-        on an H200 (bench/results/2026-12-01-h200-issue15-run2.json), it trained 4% slower (7,780 against 8,099
-        tokens/s): the host sets the pace at these micro-batch sizes, and the lookup then runs on the
-        DataLoader's path, with one more copy of the rows."""
+        Why not look the rows up in the pack collator, one batch ahead, and skip that wait: it trained slower
+        (docs/performance.md, "Tried and not kept"): the host sets the pace at these micro-batch sizes, and the
+        lookup then runs on the DataLoader's path, with one more copy of the rows."""
 
         def __init__(self, emb: torch.nn.Embedding) -> None:
             super().__init__()

@@ -6,7 +6,7 @@ tasks.train_adapter.launch ARGS.json`: torch.distributed.run's own main, in a pr
 and, once every rank has exited cleanly, writes the manifest from what rank 0 reported. Each rank loads the 4-bit
 model on its own GPU (LOCAL_RANK); the transformers Trainer wraps it in DDP, or with speed.fsdp shards it with
 FSDP2. Checkpoints, resume and the loss log are rank 0's. On a machine without GPUs the ranks are CPU processes
-with the gloo backend (how the CPU tests exercise this path). Multi-node: see the README's "Multi-GPU".
+with the gloo backend (how the CPU tests exercise this path). Several nodes: docs/multi-gpu.md.
 
 A single-GPU run whose GPU came from the pool trains in one child process the same way, without torchrun: the
 flow-run process has usually initialised CUDA already (prepare_model quantizes on the GPU), after which a

@@ -65,8 +65,7 @@ def patches_undone() -> Iterator[None]:
     apply_rotary_pos_emb in modeling_llama), so every model of that family loaded later in the process is built
     with Liger's Triton modules. In a run without the GPU pool, evaluate_adapter and export_adapter load the model in
     the training process: they then evaluated with other kernels than a run whose training was cached (numbers that
-    depend on the cache), and new batch shapes met Triton's compiles: in the 8B job on the H200 the base model's loss
-    pass, the first, took 8.1 s with them and 5.4 s without (bench/README.md, "Issue 24, fourth pass")."""
+    depend on the cache), and new batch shapes met Triton's compiles (docs/performance.md, "Evaluation")."""
     try:
         yield
     finally:

@@ -10,58 +10,8 @@ the fastest candidate that fits. The settings a user pins (speed.max_tokens_per_
 speed.recompute_mlp_layers, the offloads, train.gradient_checkpointing) narrow the candidates instead of being
 overridden.
 
-Why the layers in that order (whole, then MLP-only, then kept, from the first layer up): the backward pass runs
-from the last layer down and frees each layer's activations as it goes, so while a layer's backward runs, the
-layers below it still hold theirs. The layers whose backward needs the most working memory (whole recomputation
-rebuilds the layer: 2 x (14 h + 3 i) bytes per token) therefore go lowest, where the fewest layers still hold
-anything below them, and the layers that hold the most (kept) go highest, where their memory is held through the
-fewest other layers' backward; MLP-only layers are between on both counts. The whole-recomputed layers are
-also neighbours, so that each offloaded input is fetched while the layer above recomputes (checkpointing.py).
-
-Why an enumeration and not a greedy order of levers: there are at most some tens of thousands of candidates and
-the cost model is a formula, so the best one under the model is found exactly; a greedy order (kept layers first,
-then offloads, then packs) can stop at a worse corner when a bigger pack with one more recomputed layer beats a
-smaller pack.
-
-Both models were fitted to measurements of the Llama-3.1-8B shape on an H200 (bf16, LoRA r=16 on all seven
-projections, fused AdamW; bench/README.md "Issue 24" has the runs and how close each prediction came):
-
-- memory per token: a layer that keeps its activations holds about 2 x (8 h + 2 kv + 3 i) bytes per token (h the
-  hidden size, kv the key/value width, i the MLP width; 152 KB measured for 8B, 156 predicted): 2 x (6 h + 2 kv)
-  for attention, the norms and the residual stream, 2 x (2 h + 3 i) for the MLP (its input and output, and the
-  up, gate and activation outputs, 3 i). A layer that recomputes only its MLP keeps the first part and, of the
-  MLP's, 2 x 2 h (its input, saved by the checkpoint, and its output): 2 x (8 h + 2 kv), 68 KB for 8B; its
-  backward rebuilds the MLP's 2 x 3 i bytes per token (per chunk, when chunked) on top of half a layer. (This is
-  what a kept layer with the MLP in chunks measured: 116 KB per token between 32k and 64k tokens, 115 predicted.)
-  A whole-recomputed layer holds its input, 2 h bytes, on the GPU unless offloaded; its backward needs about
-  2 x (14 h + 3 i) bytes per token at once (197 KB measured at 8k-token packs, 201 predicted), the 3 i per chunk
-  when its MLP runs in chunks. Fixed: what is allocated when the plan is made (4-bit weights, LoRA weights), LoRA
-  gradients and AdamW state (16 bytes per trainable parameter), one chunk of the fused loss's fp32 logits (0.92
-  GiB measured for these two, 0.87 predicted), less the embedding table and output layer when they are offloaded.
-- time per token, relative: (1 + HOST_TOKENS / tokens) x (1 + RECOMPUTE_COST x recomputed / layers), plus small
-  costs for each offload. HOST_TOKENS is the per-micro-step work (launches, optimizer step) in tokens' worth of
-  compute; RECOMPUTE_COST the share of a step one more forward pass costs. `recomputed` counts a whole layer as 1
-  and an MLP-only layer as the MLP's share of a layer's matmul FLOPs, 3 i / (3 i + 2 h + 2 kv) (0.81 for 8B: the
-  attention projections q, k, v, o are the rest); a whole-recomputed layer whose MLP runs in chunks recomputes
-  the MLP twice (the layer's recomputation runs the chunks' checkpoints, whose backward recomputes them again),
-  so it counts 1 + that share. Where recomputation skips the MLP's output projection (speed.recompute_skip, with
-  fused LoRA: recompute_skip.py), each recomputation of an MLP costs that projection's share less, i / (3 i + 2 h
-  + 2 kv) (0.27 for 8B): a whole layer counts 0.73, an MLP-only one 0.54. A family whose layers read the MLP's
-  output again (Gemma 2 and 3, OLMo 2 normalise it) skips nothing in a whole layer's recomputation, so the plan is
-  optimistic for it there; its memory predictions do not change.
-
-Attention through a dense mask (Choices.dense_attention): where the flash varlen kernel steps aside (Falcon, whose
-attention is its own code; soft-capped or dropout attention; attention.varlen_unsupported), a packed row attends
-through transformers' block-diagonal T x T mask, and attention's memory and time grow with the pack's square, which
-nothing above counts. Memory, fitted to a 4-layer Falcon (16 heads, multi-query: sdpa runs its math kernel) at
-16,384-token packs on an H200: a layer that keeps its attention's activations holds 4 bytes per head per token
-pair more (SCORES_SAVED), a layer's attention backward needs 12 more at once (SCORES_WORK), and the boolean mask
-takes one byte per token pair; predicted 65.1 and 115.4 GiB where every layer recomputed (measured 64.78) and none
-did (114.11), and, at the 3,072-token packs the plan then chose, 2.46 and 4.57 (measured 2.44 and 4.41). Time: the
-dense mask makes attention compute every token pair of the row, 4 T h FLOPs per token per layer against the
-projections' 2 h (2 h + 2 kv + 3 i), so the time per token grows by that ratio, and the plan
-takes packs of a few thousand tokens (the host's cost per micro-step against the attention's per token) instead of
-the largest that fit. A family whose sdpa call runs a fused kernel with the mask needs less memory than this.
+The memory and time models, why the layers go in this order, why an enumeration, and the measurements the
+constants were fitted to: docs/performance.md, "How the memory plan chooses".
 """
 
 from __future__ import annotations
@@ -74,9 +24,7 @@ from typing import Any, NamedTuple
 from tasks.model_dims import Dims
 
 GIB = 2**30
-# refitted to bench/results/2026-12-02-h200-issue24-run2.json (8B, H200, one session): nothing recomputed, 13,854
-# real tokens/s at 8,192-token packs and 15,021 at 16,384 give HOST_TOKENS 1,506; with it the three runs that
-# recompute (16,384 tokens, 27 and 29 layers; 8,192 tokens, 32 layers) give RECOMPUTE_COST 0.369, 0.336, 0.295
+# fitted to measured 8B runs: docs/performance.md, "The time model"
 HOST_TOKENS = 1500
 RECOMPUTE_COST = 0.333
 OFFLOAD_ACTIVATIONS_COST = 0.02  # the side-stream copies of recomputed layers' inputs, per recomputed share

@@ -42,7 +42,7 @@ def fsdp_settings(speed: SpeedArgs, model: Any) -> dict[str, Any]:
                         f"model.bnb_4bit_quant_storage={compute} (prepare_model then writes a new checkpoint).")
     # Sharded state dicts: each rank writes its shard of the LoRA weights and optimizer state into checkpoints
     # (accelerate's adapter_only path). A full state dict gathers the whole 4-bit base onto rank 0 at every
-    # checkpoint: on 2 H200s the first one had not finished after two minutes. The adapter itself is gathered
+    # checkpoint, which stalled the first checkpoint for minutes (docs/multi-gpu.md). The adapter itself is gathered
     # alone, by save_sharded_adapter. Our own activation checkpointing stays (FSDP's would wrap the layers again).
     settings: dict[str, Any] = {"fsdp": True, "fsdp_config": {
         "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,

@@ -77,9 +77,8 @@ def optimizer(train: TrainArgs, speed: SpeedArgs) -> str:
 
     Why fused AdamW on a GPU: bitsandbytes' 8-bit optimizers call cuda.synchronize after every parameter (448
     LoRA tensors for an 8B model on all seven projections), so the host stops queueing work through the whole
-    step; measured side by side on an H200 (bench/results/2026-12-01-h200-issue15-levers3.json, 8,192-token packs):
-    paged_adamw_8bit 8,840 real tokens/s at 5.57 GiB peak, adamw_8bit 9,045 at 5.61, adamw_torch_fused 9,848 at
-    5.85. Its fp32 moments of the LoRA weights (0.34 GB for 42M) are what the extra memory is."""
+    step (docs/performance.md, "Speed levers", has the side-by-side figures). Its fp32 moments of the LoRA weights
+    (0.34 GB for 42M) are what the extra memory is."""
     import torch
 
     if speed.fsdp and several_processes():

@@ -87,8 +87,8 @@ def learn(kind: str, outputs: Any, inputs: Sequence[Any], seen: list[Any]) -> No
     roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     stops = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     # no closures over the graph here: a recursive nested function is a reference cycle, and one that holds autograd
-    # nodes keeps a recomputed layer's saved activations alive until the cyclic collector runs (measured on the GPU:
-    # the first backward pass ran out of memory)
+    # nodes keeps a recomputed layer's saved activations alive until the cyclic collector runs (the first backward
+    # pass then runs out of memory)
     consumers = _consumers(roots, stops)
     unused: dict[Any, bool] = {}
     for node in consumers:

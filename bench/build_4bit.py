@@ -11,7 +11,7 @@ Linear4bit._save_to_state_dict writes it, and saved as its own safetensors shard
 The folder is a finished prepare_model stage (runs_dir/prepare_model/<key>/, manifest.json, modules.json, metrics)
 written through the stage's own helpers, so load_quantized, read_model_metrics and train_adapter take it as is.
 The one difference from prepare_model's folder: one shard per part plus model.safetensors.index.json, where
-prepare_model writes 5 GB shards (the keys, dtypes, shapes and bytes are the same).
+prepare_model writes 2 GB shards (the keys, dtypes, shapes and bytes are the same).
 
 usage: python bench/build_4bit.py --shape 70b --runs-dir /tmp/qlora-70b/runs --tokenizer FOLDER
 (bench/bench_70b.py builds it this way, with a 128,256-id tokenizer.)

@@ -18,9 +18,9 @@ train_adapter (its in-process path: what a run without the GPU pool does before 
 With --sdpa, only the `eval` probe, twice, each child with CUDA_CACHE_DISABLE=1 (no kernels compiled at run time
 are kept on disk between processes: every child is a machine's first process): torch's default attention
 backends, then with cuDNN attention turned off (torch.backends.cuda.enable_cudnn_sdp(False)); each records the
-backend torch picks for a padded batch (`torch._fused_sdp_choice`). It tests the fifth pass's lead
-(bench/README.md): the base model's slow first loss pass on a fresh machine is cuDNN attention compiling a graph
-per new shape.
+backend torch picks for a padded batch (`torch._fused_sdp_choice`). It showed that the base model's slow first
+loss pass on a fresh machine was cuDNN attention building a graph per new shape (docs/performance.md,
+"Evaluation").
 
 usage (GPU host, after bench_job.py --keep): python3 bench/probe_eval.py --runs /tmp/qlora-job/runs0 --out OUT.json
 """

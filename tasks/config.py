@@ -421,8 +421,8 @@ class ExportArgs(_Section):
     merged_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype of the merged model's weights.",
     )
-    # 2GB, not transformers' 5GB: the manifest hashes one file per thread, so the largest shard bounds the hash; the
-    # merged 8B model's 16 GB took 5.4 s in 5 GB shards on the H200 host (bench/README.md, "Issue 24, seventh pass")
+    # 2GB, not transformers' 5GB: the manifest hashes one file per thread, so the largest shard bounds the hash
+    # (docs/performance.md, "The whole job")
     max_shard_size: str = Field("2GB", description="Largest safetensors shard of the merged model (save_pretrained).")
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = Field(
         default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one per "

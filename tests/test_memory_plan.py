@@ -29,8 +29,9 @@ LLAMA8 = Dims(hidden=4096, intermediate=14336, layers=32, vocab=128256, kv=1024)
 TABLE = 128256 * 4096 * 2
 FIXED8 = Fixed(allocated=int(5.47 * GIB), trainable_parameters=41_943_040, embedding_bytes=TABLE,
                output_layer_bytes=TABLE)
-# measured on an H200 (bench/README.md "Issue 24", fused AdamW): (tokens, whole-recomputed layers, their inputs on
-# the host, the tables on the host[, MLP-only layers, whole layers' MLP in chunks]) -> peak allocated GiB
+# measured on an H200 (docs/performance.md, "What the models were fitted to"; fused AdamW): (tokens, whole-recomputed
+# layers, their inputs on the host, the tables on the host[, MLP-only layers, whole layers' MLP in chunks]) -> peak
+# allocated GiB
 MEASURED = {Layout(8192, 32, True, True): 5.84, Layout(16384, 32, False, False): 12.79,
             Layout(8192, 0, False, False): 43.4, Layout(16384, 0, False, False): 81.2,
             Layout(16384, 30, False, False): 15.55, Layout(16384, 29, True, False): 14.24,
@@ -47,7 +48,7 @@ def test_the_predicted_peak_is_within_ten_percent_of_the_measured(layout: Layout
     assert predicted == pytest.approx(peak, rel=0.10)
 
 
-# measured real tokens/s of plans in one session (bench/results/2026-12-02-h200-issue24-run2.json): the cost model's
+# measured real tokens/s of plans in one session (bench/results/train-h200-budgets.json): the cost model's
 # HOST_TOKENS and RECOMPUTE_COST were fitted to these
 MEASURED_SPEED = {Layout(16384, 0, False, False): 15021, Layout(8192, 0, False, False): 13854,
                   Layout(16384, 29, True, False): 11372, Layout(16384, 27, False, False): 11455,
@@ -83,9 +84,9 @@ def test_sixteen_gib_gets_a_plan_predicted_faster_than_the_one_measured_at_11372
 
 # the 4-layer Falcon of bench_families.py (16 heads, one key/value head: sdpa runs its math kernel over the dense
 # block-diagonal mask), LoRA r=16 on its four projections, measured on an H200: every layer recomputed and offloaded,
-# and none, at 16,384-token packs (bench/results/2026-12-03-h200-families-falcon-final.json,
-# -families-falcon-defaults.json: the two runs SCORES_SAVED and SCORES_WORK were fitted to), then at the 3,072-token
-# packs the plan chose with them (-families-falcon-dense-plan.json, -dense-plan-recompute.json)
+# and none, at 16,384-token packs (bench/results/falcon-h200-unplanned-recompute.json, falcon-h200-unplanned.json:
+# the two runs SCORES_SAVED and SCORES_WORK were fitted to), then at the 3,072-token packs the plan chose with them
+# (falcon-h200-dense-mask-recompute.json, falcon-h200-dense-mask.json)
 FALCON4 = Dims(hidden=1024, intermediate=4096, layers=4, vocab=1024, kv=1024, heads=16)
 FIXED_FALCON4 = Fixed(allocated=int(0.03 * GIB), trainable_parameters=925_696, embedding_bytes=0, output_layer_bytes=0)
 MEASURED_DENSE = {Layout(16384, 4, True, False): 64.78, Layout(16384, 0, False, False): 114.11,
@@ -334,8 +335,8 @@ def test_the_plans_mlp_chunks_reach_each_layer() -> None:
 
 
 def test_the_cost_model_predicts_the_recompute_skips_measured_gain() -> None:
-    """speed.recompute_skip measured side by side on an H200 (bench/results/2026-12-03-h200-issue24-run7-skip.json
-    and -run6-skip-oom.json): the same plans with the skip and without, each pair in one call."""
+    """speed.recompute_skip measured side by side on an H200 (bench/results/train-h200-recompute-skip.json and
+    train-h200-recompute-skip-6.4.json): the same plans with the skip and without, each pair in one call."""
     measured = {Layout(32768, 31, True, False): 11854 / 11108, Layout(8192, 31, True, True, 1): 10549 / 10116}
     for layout, gain in measured.items():
         predicted = relative_time(LLAMA8, layout, 16384) / relative_time(LLAMA8, layout, 16384, skip=True)

@@ -1,5 +1,5 @@
-"""torch.compile over the decoder layers, for the benches: a host-side lever, kept out of the config
-until a GPU run has timed it (bench/README: "the compile probe on a GPU").
+"""torch.compile over the decoder layers, for the benches: a host-side lever, kept out of the config because on a
+GPU it gained no more than the run-to-run spread (docs/performance.md, "Tried and not kept").
 
 Two ways in, by checkpointing:
 - "layers": `layer.compile()`, around the checkpoint (torch's, as in the speed-first preset);

@@ -2,7 +2,7 @@
 # Packages for a GPU host that has Python and a CUDA build of torch but no network: every package of this
 # virtual environment that the host lacks, installed for the host's Python into one folder and packed as
 # .gpu/site.tar.xz; with --unsloth also Unsloth's own set (its pins differ from the project's) as .gpu/unsloth.tar.xz.
-# A GPU host with network needs none of this: bench/README.md, "Set-up".
+# A GPU host with network needs none of this: bench/README.md, "Set-up on a GPU host".
 #
 # usage (repository root, this project's venv active, network here):
 #   bench/gpu-site.sh [--python 3.12] [--host-packages FILE] [--cuda 13] [--unsloth] [--list]

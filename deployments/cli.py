@@ -27,7 +27,7 @@ import sys
 import textwrap
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 USER_ERROR_EXIT = 2
 EPHEMERAL_STARTUP_S = 120
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return _user_error(_config_message(exc))
     if args.command in ("run", "start", "serve") and (too_large := _parameters_too_large(config)):
         return _user_error(too_large)
+    if args.command in ("run", "validate", "serve") and (gpus := _gpus_problem(config)):  # `start`: on a worker
+        return _user_error(gpus)
     if args.command == "validate":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -182,6 +184,13 @@ def _parameters_too_large(config: Any) -> str | None:
             "long data.column_mapping or list): put them in the data itself, or raise that limit on the server.")
 
 
+def _gpus_problem(config: Any) -> str | None:
+    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/limits.py), before any run."""
+    from tasks.limits import num_gpus_problem
+
+    return num_gpus_problem(config.speed.num_gpus)
+
+
 def _config(args: argparse.Namespace) -> Any:
     from tasks.config import PRESETS_DIR, load_config
 
@@ -223,7 +232,6 @@ def _config_message(exc: Exception) -> str:
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
-    from deployments.temporary_server import temporary_server
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
@@ -232,21 +240,16 @@ def _run(config: Any, as_json: bool) -> int:
 
     quiet_user_errors()
     signal.signal(signal.SIGTERM, _terminated)  # Prefect's flow engine records the crash first, then calls it
-    if uses_server():
-        ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
     try:
+        if uses_server():
+            ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
-        startup = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
-        with nullcontext() if uses_server() else temporary_server(startup):
+        with _server():
             summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
     except Terminated as exc:
-        print("\n" + textwrap.fill(
-            f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
-            "artifact says during which stage). Finished stages keep their folders; run the same command again "
-            "to resume (training from its latest complete checkpoint).", width=100), file=sys.stderr)
-        return exc.code
+        _stopped(exc, "run it again to resume (training from its latest complete checkpoint)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -264,12 +267,41 @@ def _run(config: Any, as_json: bool) -> int:
     return 0
 
 
+def _server() -> Any:
+    """The Prefect server this process's runs go to: the shared one (PREFECT_API_URL), else one it serves itself
+    from a thread (deployments/temporary_server.py: it lives exactly as long as this process)."""
+    from deployments.temporary_server import temporary_server
+    from tasks.limits import uses_server
+
+    return nullcontext() if uses_server() else temporary_server(
+        float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+
+
 class Terminated(SystemExit):
     """SIGTERM (systemd, Kubernetes, a pre-empted node, kill): leave through every `finally`, exit 128 + 15."""
 
 
 def _terminated(signum: int, _frame: Any) -> None:
     raise Terminated(128 + signum)
+
+
+def _stopped(exc: Terminated, again: str) -> NoReturn:
+    """Say how the run ended, then end the process now: a sweep's trainings run in threads that a signal cannot
+    stop, and a waiting interpreter would keep them (and the process) going for minutes after the run is recorded
+    Crashed. Its flow run's state and hooks are done, the temporary server is gone, child processes follow their
+    parent (tasks/train_adapter/launch.py), and held slots are released or lapse within a lease."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    print("\n" + textwrap.fill(
+        f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
+        f"artifact says during which stage). Finished stages keep their folders; {again}.", width=100),
+        file=sys.stderr)
+    for worker in (APILogWorker, EventsWorker):  # to a shared server: what is queued still goes
+        worker.drain_all(timeout=5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exc.code)
 
 
 def _start(flow: Any, config: Any) -> Any:
@@ -295,33 +327,36 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    signal.signal(signal.SIGTERM, _terminated)  # as `run`: Prefect's flow engine records the crash first
     try:
-        if not grid_file.is_file():
-            raise UserError(f"grid file {grid_file} does not exist")
         grid, candidates = sweep.load_grid(grid_file)
         plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
+        if gpus := [f"candidate {c.name} ({c.label}): {p}" for c in plan.candidates if (p := _gpus_problem(c.config))]:
+            raise UserError(" ".join(gpus))
         check_runs_dir(config.runs_dir)
+        if uses_server():
+            ensure_gpu_limit()
+        with _server():
+            state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
+            outcome = state.result(raise_on_failure=False)  # the summary, or what failed it
     except UserError as exc:
         return _user_error(str(exc))
-    if uses_server():
-        ensure_gpu_limit()
-    try:
-        state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
+    except Terminated as exc:
+        _stopped(exc, "run the same sweep again to resume (finished candidates are reused)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
         return _user_error(f"Prefect's temporary API server did not start in time ({exc}); start one server "
                            "(prefect server start) and point runs at it with PREFECT_API_URL")
-    summary = state.result(raise_on_failure=False) if state.is_completed() else _sweep_record(plan.dir, state)
+    summary = outcome if state.is_completed() else _sweep_record(plan.dir, state)
     if summary is not None and as_json:
         print(json.dumps(summary))
     elif summary is not None:
         _print_sweep(summary)
     if state.is_completed():
         return 0
-    error = state.result(raise_on_failure=False)
-    if isinstance(error, UserError):
-        return _user_error(str(error))
+    if isinstance(outcome, UserError):
+        return _user_error(str(outcome))
     print(f"\nerror: {state.message}", file=sys.stderr)
     return 1
 

@@ -76,6 +76,47 @@ def visible_gpus() -> list[str]:
     return entries[:count] if torch.cuda.is_available() else entries
 
 
+def num_gpus_problem(num_gpus: int | str) -> str | None:
+    """Why speed.num_gpus cannot train here, or None: more processes than this machine has GPUs for, or, where runs
+    go to a Prefect server with a GPU pool of devices, more than the pool's slots. 'auto' and 1 always fit."""
+    if num_gpus == "auto" or int(num_gpus) <= 1:
+        return None
+    try:
+        size, devices = _pool() if uses_server() else (0, False)
+    except Exception:  # noqa: BLE001 - no server to ask now: the run itself checks the pool when it trains
+        size, devices = 0, False
+    if devices and int(num_gpus) > size:
+        return _pool_too_small(int(num_gpus), size)
+    have, what = gpu_capacity()
+    if int(num_gpus) > have:
+        return (f"speed.num_gpus={num_gpus}, but this machine has {what}. Set speed.num_gpus to {have} or less (or "
+                f"'auto': every GPU it has).")
+    return None
+
+
+def gpu_capacity() -> tuple[int, str]:
+    """How many training processes this machine gives a GPU each, and what they are, in words. Where CUDA runs,
+    its visible GPUs. Without CUDA, speed.num_gpus > 1 starts that many CPU processes (gloo): as many as
+    CUDA_VISIBLE_DEVICES lists where it is set (how a test or a CPU worker of a GPU pool stands for GPUs), else
+    one per core, since more processes than cores only take turns on them, each with its own copy of the model."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = len(visible_gpus())
+        return count, f"{count} GPU(s) visible to CUDA"
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        count = len(visible_gpus())
+        return count, f"no CUDA, and CUDA_VISIBLE_DEVICES lists {count} device(s) for its CPU processes"
+    cores = host_cores()
+    return cores, f"no CUDA: {cores} core(s), one CPU training process (gloo) each at most"
+
+
+def _pool_too_small(gpus: int, size: int) -> str:
+    return (f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU of the worker. "
+            f"Set speed.num_gpus to {size} or less, or size the pool with `qlora-pipeline setup --gpus {gpus}` on a "
+            f"worker with that many GPUs.")
+
+
 def uses_server() -> bool:
     """True when runs go to a Prefect server (PREFECT_API_URL), where several runs can compete for the GPU.
 
@@ -99,15 +140,15 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
     GPU" (type Pending) on its train_adapter task run and on its flow run (unless another of its trainings runs)
     until the slots free, then Running again.
     """
+    if gpus > 1 and (problem := num_gpus_problem(gpus)):  # a run from the form or a deployment is checked here
+        raise UserError(problem)
     if current_run_attempt() is None or not uses_server():
         yield None
         return
     size, devices = _pool()
     wanted = gpus if devices else 1  # without devices, the one slot means one training at a time
     if devices and gpus > size:
-        raise UserError(f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU "
-                        f"of the worker. Set speed.num_gpus to {size} or less, or size the pool with "
-                        f"`qlora-pipeline setup --gpus {gpus}` on a worker with that many GPUs.")
+        raise UserError(_pool_too_small(gpus, size))
     waiting = _Waiting(wanted)
     with ExitStack() as held:
         _take(held, GPU_LIMIT, wanted, waiting)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from tasks import disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
-from tasks.config import RunConfig, TrackArgs
+from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.limits import pool_gpus
 from tasks.log import current_run_attempt, logger
@@ -106,13 +106,41 @@ class Ranking:
 
 def load_grid(path: Path) -> tuple[dict[str, list[Any]] | None, list[dict[str, Any]] | None]:
     """(grid, None) for a YAML mapping of keys to lists of values, (None, candidates) for a list of overrides."""
-    loaded = yaml.safe_load(Path(path).read_text())
+    loaded = _read_grid(Path(path))
     if isinstance(loaded, dict):
         return loaded, None
     if isinstance(loaded, list):
         return None, loaded
     raise UserError(f"{path}: a sweep grid is a mapping of SECTION.FIELD keys to lists of values (lora.r: [4, 8]) "
                     f"or a list of overrides (- {{lora.r: 4}}), not {type(loaded).__name__}. Fix the file.")
+
+
+_GRID_SHAPE = ("a sweep grid is a YAML mapping of SECTION.FIELD keys to lists of values (lora.r: [4, 8]) or a list "
+               "of overrides (- {lora.r: 4})")
+
+
+def _read_grid(path: Path) -> Any:
+    """The grid file's YAML; a UserError naming the file for whatever keeps it from being read as one."""
+    if not path.is_file():
+        raise UserError(f"grid file {path} {'is a folder' if path.is_dir() else 'does not exist'}; {_GRID_SHAPE}.")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:  # it becomes the sweep's flow-run parameters
+        raise UserError(f"grid file {path} is {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} bytes Prefect "
+                        f"accepts as a flow run's parameters; {_GRID_SHAPE}, a few lines.")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"grid file {path} is not text (byte {exc.start} is not UTF-8): is it the file you meant? "
+                        f"{_GRID_SHAPE[0].upper()}{_GRID_SHAPE[1:]}.") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserError(f"grid file {path} is not valid YAML ({getattr(exc, 'problem', None) or exc}{where}); "
+                        f"{_GRID_SHAPE}. Fix the file.") from None
+    except RecursionError:
+        raise UserError(f"grid file {path} is nested too deeply to read; {_GRID_SHAPE}, a few levels deep. Look "
+                        "for runaway brackets or indentation.") from None
+    except OSError as exc:
+        raise UserError(f"cannot read the grid file {path} ({exc.strerror or exc}).") from None
 
 
 def expand(base: RunConfig, grid: dict[str, Any] | None = None, candidates: list[Any] | None = None) -> Plan:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ValidationError
 
 from tasks import disk, registry, tracking
@@ -282,13 +283,31 @@ def training_runner() -> Iterator[Any]:
     training's threads are already sized to its share of them, tasks/limits.py cpu_share).
     """
     from prefect.context import FlowRunContext
-    from prefect.task_runners import ThreadPoolTaskRunner
 
     gpus = pool_gpus()
     if gpus:
         logger().info("sweep: up to %d candidate(s) train at once, one per free GPU of the pool", gpus)
-    with ThreadPoolTaskRunner(max_workers=gpus) if gpus else nullcontext(FlowRunContext.get().task_runner) as runner:
+    with SignalLeavesThreads(max_workers=gpus) if gpus else nullcontext(FlowRunContext.get().task_runner) as runner:
         yield runner
+
+
+class SignalLeavesThreads(ThreadPoolTaskRunner):
+    """Prefect's ThreadPoolTaskRunner, except that a flow leaving on a signal (SIGTERM, Ctrl-C) does not wait for
+    the tasks still running in its threads: Prefect's runner joins them on exit, before its flow engine records the
+    crash, so a SIGTERM during a candidate's training waited for that training to end (minutes). Their task runs
+    are ended by the flow's crash hook (tasks/artifacts.py failure_summary) and the threads by the process's exit;
+    a training resumes from its latest complete checkpoint on the next run."""
+
+    def duplicate(self) -> SignalLeavesThreads:  # the copy the flow engine enters
+        return SignalLeavesThreads(max_workers=self._max_workers)
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception) and self._executor is not None:
+            for event in self._cancel_events.values():
+                event.set()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        super().__exit__(exc_type, exc_value, traceback)
 
 
 def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:

@@ -239,7 +239,7 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
-    signal.signal(signal.SIGTERM, _terminated)  # Prefect's flow engine records the crash first, then calls it
+    _stop_on_sigterm("run it again to resume (training from its latest complete checkpoint)")
     try:
         if uses_server():
             ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
@@ -248,8 +248,6 @@ def _run(config: Any, as_json: bool) -> int:
             summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
-    except Terminated as exc:
-        _stopped(exc, "run it again to resume (training from its latest complete checkpoint)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -277,31 +275,30 @@ def _server() -> Any:
         float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
 
 
-class Terminated(SystemExit):
-    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill): leave through every `finally`, exit 128 + 15."""
+def _stop_on_sigterm(again: str) -> None:
+    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill) ends this process with 128 + 15. While a flow runs,
+    Prefect's own handler takes the signal: its flow engine records the run Crashed and runs the hooks, then passes
+    the signal on here. `again`: how to resume, for the message."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _stopped(signum, again))
 
 
-def _terminated(signum: int, _frame: Any) -> None:
-    raise Terminated(128 + signum)
-
-
-def _stopped(exc: Terminated, again: str) -> NoReturn:
-    """Say how the run ended, then end the process now: a sweep's trainings run in threads that a signal cannot
-    stop, and a waiting interpreter would keep them (and the process) going for minutes after the run is recorded
-    Crashed. Its flow run's state and hooks are done, the temporary server is gone, child processes follow their
-    parent (tasks/train_adapter/launch.py), and held slots are released or lapse within a lease."""
+def _stopped(signum: int, again: str) -> NoReturn:
+    """Say how the run ended and end the process now, without unwinding further. By now the flow function has
+    unwound (its slots and stage locks released); what is left are a sweep's trainings in threads, which a signal
+    cannot stop: unwinding would close the flow's API client under them (tracebacks, task runs turned Failed after
+    the crash hook ended them Crashed) and a waiting interpreter would keep them going for minutes. Child
+    processes follow their parent (tasks/train_adapter/launch.py), the temporary server is a thread of this
+    process, and slots still held by those threads lapse within a lease."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    print("\n" + textwrap.fill(
-        f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
-        f"artifact says during which stage). Finished stages keep their folders; {again}.", width=100),
-        file=sys.stderr)
-    for worker in (APILogWorker, EventsWorker):  # to a shared server: what is queued still goes
+    for worker in (APILogWorker, EventsWorker):  # the crash's log lines and events, while the server is there
         worker.drain_all(timeout=5)
     sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exc.code)
+    print("\n" + textwrap.fill(
+        f"stopped: the run got {signal.Signals(signum).name} and ended as Crashed (its run-failure artifact says "
+        f"during which stage). Finished stages keep their folders; {again}.", width=100), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _start(flow: Any, config: Any) -> Any:
@@ -327,7 +324,7 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
-    signal.signal(signal.SIGTERM, _terminated)  # as `run`: Prefect's flow engine records the crash first
+    _stop_on_sigterm("run the same sweep again to resume (finished candidates are reused)")
     try:
         grid, candidates = sweep.load_grid(grid_file)
         plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
@@ -341,8 +338,6 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
             outcome = state.result(raise_on_failure=False)  # the summary, or what failed it
     except UserError as exc:
         return _user_error(str(exc))
-    except Terminated as exc:
-        _stopped(exc, "run the same sweep again to resume (finished candidates are reused)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise

@@ -1,6 +1,6 @@
 """A run that holds GPUs of the pool until told to let go, for tests that need runs in processes of their own:
-`python -m tests.pool_holder GPUS FOLDER`. It writes FOLDER/held (the devices it holds) once it holds them, and
-lets go when FOLDER/release exists."""
+`python -m tests.pool_holder GPUS FOLDER`. It writes FOLDER/flow-run (its flow run's id) at once, FOLDER/held (the
+devices it holds) once it holds them, and lets go when FOLDER/release exists."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from tasks.limits import gpu_slot
 
 @task(name="train_adapter")  # the pool's own task name: "Waiting for GPU" is judged among a run's trainings
 def hold(gpus: int, folder: str) -> None:
+    from prefect.runtime import flow_run
+
+    (Path(folder) / "flow-run").write_text(str(flow_run.id))
     with gpu_slot(gpus) as devices:
         (Path(folder) / "held").write_text(",".join(devices or []))
         while not (Path(folder) / "release").exists():

@@ -12,8 +12,8 @@
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
-exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run as Crashed, with its
-hooks, and exits 143.
+exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run or a sweep within
+seconds as Crashed, with its hooks, and exits 143.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class _Keeper:
         from prefect import get_client
 
         wait = RENEW_SECONDS
-        with get_client(sync_client=True) as client:
+        with _no_client_retries(), get_client(sync_client=True) as client:
             while not self.stop.wait(wait):
                 try:
                     check_server_leases(client)
@@ -143,8 +143,8 @@ class _Keeper:
         self.thread.join(timeout=5)
         if lease is None:
             return
-        deadline = time.monotonic() + LEASE_SECONDS  # beyond it the server frees the lease itself, or a repair
-        with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 5 * RETRY_SECONDS  # beyond it the lease lapses, or a repair frees it
+        with _no_client_retries(), get_client(sync_client=True) as client:
             while True:
                 try:
                     client.release_concurrency_slots_with_lease(lease_id=lease)
@@ -152,9 +152,18 @@ class _Keeper:
                 except Exception as exc:  # noqa: BLE001 - the server away: the lease lapses or is repaired
                     if time.monotonic() > deadline:
                         logger().warning("could not release the lease on %r (%s): the server frees it within %d "
-                                         "s of coming back", self.name, exc, LEASE_SECONDS)
+                                         "s of being back", self.name, exc, LEASE_SECONDS)
                         return
                     time.sleep(RETRY_SECONDS)
+
+
+def _no_client_retries() -> Any:
+    """Prefect's client retries a refused connection for about a minute before it gives up; the renewals here try
+    every RETRY_SECONDS themselves, so that a lease is renewed or re-claimed within seconds of the server's return
+    (inside the grace period after a repair), and a release does not hold up a stopping process."""
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    return temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0})
 
 
 def _acquire(client: Any, name: str, slots: int, holder: UUID | None, on_wait: Callable[[], None] | None,
@@ -213,15 +222,15 @@ def _renew(client: Any, lease: UUID, seconds: float) -> bool:
 def check_server_leases(client: Any) -> float:
     """Renew the pool's sentinel; where the server lost it, repair the pool (once, whichever process gets there
     first). Seconds left of the grace period after the last repair, in which only re-claims take GPU slots."""
-    return _check(client)[0]
+    return _check(client, say=True)[0]
 
 
 def repair_pool(client: Any) -> list[str]:
-    """check_server_leases for `setup`: what this call repaired ('qlora-gpu 1 -> 0', ...)."""
-    return _check(client)[1]
+    """check_server_leases for `setup`, which says it itself: what this call repaired ('qlora-gpu 1 -> 0', ...)."""
+    return _check(client, say=False)[1]
 
 
-def _check(client: Any) -> tuple[float, list[str]]:
+def _check(client: Any, say: bool) -> tuple[float, list[str]]:
     while True:
         epoch = _epoch(client)
         if epoch is not None and _renew(client, UUID(epoch["sentinel"]), SENTINEL_SECONDS):
@@ -234,9 +243,10 @@ def _check(client: Any) -> tuple[float, list[str]]:
     _new_sentinel(client, repaired, lost, previous=(epoch or {}).get("token"))
     if not repaired:
         return 0.0, []
-    logger().warning("the Prefect server no longer knew the GPU pool's leases (restarted without durable lease "
-                     "storage?); set active slots to 0: %s. Runs that still hold slots re-claim them within %d s",
-                     "; ".join(repaired), GRACE_SECONDS)
+    if say:
+        logger().warning("the Prefect server no longer knew the GPU pool's leases (restarted without durable "
+                         "lease storage?); set active slots to 0: %s. Runs that still hold slots re-claim them within "
+                         "%d s", "; ".join(repaired), GRACE_SECONDS)
     return GRACE_SECONDS, repaired
 
 

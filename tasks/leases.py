@@ -22,10 +22,14 @@ lease of its own. Hence two parts, both on Prefect's API:
   starts a new sentinel; for GRACE_SECONDS after that, only runs that held slots before may take slots (they
   re-claim theirs), so no new run is placed on a GPU that a running training still uses.
 
-Limits: clocks of the hosts are compared for the grace period (seconds of skew only shorten or lengthen it); a
-lease taken in the instant between a restart and the repair is zeroed with the rest and counted again when its
-holder releases it. With Prefect's filesystem lease storage (`setup` says which one the server uses) a restart
-forgets nothing and the sentinel is never lost; the holders' renewals then only have to outlast the outage.
+Limits: clocks of the hosts are compared for the grace period (seconds of skew only shorten or lengthen it). A
+lease taken on the restarted server before anyone checked the sentinel (every acquisition checks it first, so
+only within the same instant) would be zeroed with the rest, and its limit would count one holder too few until
+it is released. A training that cannot reach the server for longer than a lease (60 s) while the server keeps
+running is repossessed by Prefect like a killed run; it re-claims its GPUs when it reaches the server again, or
+stops if they were handed out meanwhile. With Prefect's filesystem lease storage (`setup` says which one the
+server uses) a restart forgets nothing and the sentinel is never lost; the holders' renewals then only have to
+outlast the outage, and those of runs that died meanwhile lapse and are freed by Prefect's repossessor.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
-exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run as Crashed, with its
-hooks, and exits 143.
+exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run or a sweep within
+seconds as Crashed, with its hooks, and exits 143.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import textwrap
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 USER_ERROR_EXIT = 2
 EPHEMERAL_STARTUP_S = 120
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return _user_error(_config_message(exc))
     if args.command in ("run", "start", "serve") and (too_large := _parameters_too_large(config)):
         return _user_error(too_large)
+    if args.command in ("run", "validate", "serve") and (gpus := _gpus_problem(config)):  # `start`: on a worker
+        return _user_error(gpus)
     if args.command == "validate":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -182,6 +184,13 @@ def _parameters_too_large(config: Any) -> str | None:
             "long data.column_mapping or list): put them in the data itself, or raise that limit on the server.")
 
 
+def _gpus_problem(config: Any) -> str | None:
+    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/limits.py), before any run."""
+    from tasks.limits import num_gpus_problem
+
+    return num_gpus_problem(config.speed.num_gpus)
+
+
 def _config(args: argparse.Namespace) -> Any:
     from tasks.config import PRESETS_DIR, load_config
 
@@ -223,7 +232,6 @@ def _config_message(exc: Exception) -> str:
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
-    from deployments.temporary_server import temporary_server
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
@@ -231,22 +239,15 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
-    signal.signal(signal.SIGTERM, _terminated)  # Prefect's flow engine records the crash first, then calls it
-    if uses_server():
-        ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
+    _stop_on_sigterm("run it again to resume (training from its latest complete checkpoint)")
     try:
+        if uses_server():
+            ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
-        startup = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
-        with nullcontext() if uses_server() else temporary_server(startup):
+        with _server():
             summary = _start(qlora_pipeline, config)
     except UserError as exc:
         return _user_error(str(exc))
-    except Terminated as exc:
-        print("\n" + textwrap.fill(
-            f"stopped: the run got {signal.Signals(exc.code - 128).name} and ended as Crashed (its run-failure "
-            "artifact says during which stage). Finished stages keep their folders; run the same command again "
-            "to resume (training from its latest complete checkpoint).", width=100), file=sys.stderr)
-        return exc.code
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -264,12 +265,40 @@ def _run(config: Any, as_json: bool) -> int:
     return 0
 
 
-class Terminated(SystemExit):
-    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill): leave through every `finally`, exit 128 + 15."""
+def _server() -> Any:
+    """The Prefect server this process's runs go to: the shared one (PREFECT_API_URL), else one it serves itself
+    from a thread (deployments/temporary_server.py: it lives exactly as long as this process)."""
+    from deployments.temporary_server import temporary_server
+    from tasks.limits import uses_server
+
+    return nullcontext() if uses_server() else temporary_server(
+        float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
 
 
-def _terminated(signum: int, _frame: Any) -> None:
-    raise Terminated(128 + signum)
+def _stop_on_sigterm(again: str) -> None:
+    """SIGTERM (systemd, Kubernetes, a pre-empted node, kill) ends this process with 128 + 15. While a flow runs,
+    Prefect's own handler takes the signal: its flow engine records the run Crashed and runs the hooks, then passes
+    the signal on here. `again`: how to resume, for the message."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _stopped(signum, again))
+
+
+def _stopped(signum: int, again: str) -> NoReturn:
+    """Say how the run ended and end the process now, without unwinding further. By now the flow function has
+    unwound (its slots and stage locks released); what is left are a sweep's trainings in threads, which a signal
+    cannot stop: unwinding would close the flow's API client under them (tracebacks, task runs turned Failed after
+    the crash hook ended them Crashed) and a waiting interpreter would keep them going for minutes. Child
+    processes follow their parent (tasks/train_adapter/launch.py), the temporary server is a thread of this
+    process, and slots still held by those threads lapse within a lease."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):  # the crash's log lines and events, while the server is there
+        worker.drain_all(timeout=5)
+    sys.stdout.flush()
+    print("\n" + textwrap.fill(
+        f"stopped: the run got {signal.Signals(signum).name} and ended as Crashed (its run-failure artifact says "
+        f"during which stage). Finished stages keep their folders; {again}.", width=100), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _start(flow: Any, config: Any) -> Any:
@@ -295,33 +324,34 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    _stop_on_sigterm("run the same sweep again to resume (finished candidates are reused)")
     try:
-        if not grid_file.is_file():
-            raise UserError(f"grid file {grid_file} does not exist")
         grid, candidates = sweep.load_grid(grid_file)
         plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
+        if gpus := [f"candidate {c.name} ({c.label}): {p}" for c in plan.candidates if (p := _gpus_problem(c.config))]:
+            raise UserError(" ".join(gpus))
         check_runs_dir(config.runs_dir)
+        if uses_server():
+            ensure_gpu_limit()
+        with _server():
+            state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
+            outcome = state.result(raise_on_failure=False)  # the summary, or what failed it
     except UserError as exc:
         return _user_error(str(exc))
-    if uses_server():
-        ensure_gpu_limit()
-    try:
-        state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
         return _user_error(f"Prefect's temporary API server did not start in time ({exc}); start one server "
                            "(prefect server start) and point runs at it with PREFECT_API_URL")
-    summary = state.result(raise_on_failure=False) if state.is_completed() else _sweep_record(plan.dir, state)
+    summary = outcome if state.is_completed() else _sweep_record(plan.dir, state)
     if summary is not None and as_json:
         print(json.dumps(summary))
     elif summary is not None:
         _print_sweep(summary)
     if state.is_completed():
         return 0
-    error = state.result(raise_on_failure=False)
-    if isinstance(error, UserError):
-        return _user_error(str(error))
+    if isinstance(outcome, UserError):
+        return _user_error(str(outcome))
     print(f"\nerror: {state.message}", file=sys.stderr)
     return 1
 

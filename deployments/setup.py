@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from tasks.config import PROJECT_ROOT
+from tasks.leases import LEASE_SECONDS, repair_pool
 from tasks.limits import CPU_COUNTER_SLOTS, CPU_LIMIT, GPU_LIMIT, PLACEMENT_LIMIT, device_limit, visible_gpus
 
 HERE = Path(__file__).resolve().parent
@@ -24,7 +25,8 @@ ROOT_VARIABLE = "QLORA_PIPELINE_ROOT"  # the checkout a worker runs flows in (pr
 
 
 def ensure_gpu_limit(gpus: int | None = None) -> str:
-    """Create the GPU pool and the CPU counter (tasks/limits.py) where missing; say what happened.
+    """Create the GPU pool and the CPU counter (tasks/limits.py) where missing, repair counts the server holds no
+    leases for (tasks/leases.py); say what happened.
 
     `gpus`: size the pool to that many GPUs, resizing an existing one (`setup --gpus N`; `setup` passes the
     worker's visible GPUs). None: create what is missing, sized to this machine's GPUs, and leave an existing pool
@@ -41,14 +43,40 @@ def ensure_gpu_limit(gpus: int | None = None) -> str:
         if gpus:
             wanted |= {PLACEMENT_LIMIT: 1, **{device_limit(i): 1 for i in range(gpus)}}
         done = [_ensure_limit(client, name, slots, existing.get(name)) for name, slots in wanted.items()]
-        stale = [n for n in existing if n.startswith(f"{GPU_LIMIT}-") and n not in wanted and n != PLACEMENT_LIMIT]
+        stale = [n for n in existing if _is_device_limit(n) and n not in wanted]
         for name in stale:  # devices of a larger pool before
             client.delete_global_concurrency_limit_by_name(name)
+        repaired = repair_pool(client)
+        storage = _lease_storage(client)
     changed = [d for d in done if d] + [f"deleted {n!r}" for n in stale]
     pool = f"{gpus} GPU(s): {GPU_LIMIT!r} {max(gpus, 1)} slot(s)" + (
         f", {device_limit(0)!r} .. {device_limit(gpus - 1)!r}" if gpus else " (CPU-only: one training at a time)")
-    return f"GPU pool for {pool}; {CPU_LIMIT!r} counts the runs sharing the host's cores" + (
-        f" ({'; '.join(changed)})" if changed else " (all existed)")
+    return (f"GPU pool for {pool}; {CPU_LIMIT!r} counts the runs sharing the host's cores"
+            + (f" ({'; '.join(changed)})" if changed else " (all existed)")
+            + (f"\nrepaired: the server held no leases for these slots (it restarted?), set free: "
+               f"{'; '.join(repaired)}; runs still training re-claim theirs within {LEASE_SECONDS} s" if repaired
+               else "") + storage)
+
+
+def _is_device_limit(name: str) -> bool:
+    index = name.removeprefix(f"{GPU_LIMIT}-")
+    return index != name and index.isdigit()
+
+
+def _lease_storage(client: Any) -> str:
+    """A line on where the server keeps its concurrency leases, when that is its memory; '' otherwise."""
+    try:
+        storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
+    except Exception:  # noqa: BLE001 - not an open-source Prefect server, or an older one: nothing to say
+        return ""
+    if not storage.endswith(".memory"):
+        return ""
+    return (f"\nleases: this server keeps them in memory (Prefect's default), so a restart forgets them; the pool "
+            f"repairs itself within {LEASE_SECONDS} s, and trainings running then re-claim their GPUs. To keep them "
+            f"across restarts, start the server with PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE={FILE_LEASES}")
+
+
+FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 def _ensure_limit(client: Any, name: str, slots: int, existing: Any) -> str:

@@ -1,4 +1,4 @@
-"""The Prefect API a `qlora-pipeline run` without a server serves itself, from a thread of its own process.
+"""The Prefect API a `qlora-pipeline run` or `sweep` without a server serves itself, from a thread of its process.
 
 Prefect's own temporary server is a child process. SIGTERM (what systemd, Kubernetes and a pre-empted node send)
 reached it too when sent to the process group, so the run could not record its crash (144 s of connection

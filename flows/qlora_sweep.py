@@ -6,7 +6,6 @@ from functools import partial
 from typing import Any
 
 from prefect import flow, unmapped
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import sweep, tracking
 from tasks.artifacts import failure_summary
@@ -22,9 +21,10 @@ from tasks.train_adapter.stage import train_adapter
 
 
 # The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
-# global state (sweep.training_runner says which). Candidates' trainings go to sweep.training_runner: at once, one
-# per GPU of the pool, where each trains in a child process of its own; one at a time without a pool of devices.
-@flow(name="qlora-sweep", task_runner=ThreadPoolTaskRunner(max_workers=1),
+# global state (sweep.training_runner says which); on SIGTERM it does not wait for them (sweep.SignalLeavesThreads).
+# Candidates' trainings go to sweep.training_runner: at once, one per GPU of the pool, where each trains in a child
+# process of its own; one at a time without a pool of devices.
+@flow(name="qlora-sweep", task_runner=sweep.SignalLeavesThreads(max_workers=1),
       on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
       on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default

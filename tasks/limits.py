@@ -15,6 +15,21 @@ GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The
 A pool without device limits (0 GPUs, or a server set up before the pool existed) is today's single slot: one
 training at a time, on whatever this process sees, and gpu_slot yields None.
 
+The pool against a server restart (tasks/leases.py holds the mechanism): Prefect counts active slots in its
+database and keeps the leases behind them in its lease storage, in memory by default, so a restart used to leave
+every held slot counted for good (no lease left to renew, release or expire). Prefect's own answer is a lease
+storage that survives restarts (prefect.server.concurrency.lease_storage.filesystem, usable with SQLite and
+Postgres on one server host; `setup` says which one the server uses), but the default must hold too, Prefect's
+`concurrency()` stops renewing after a few seconds of outage, and its API lists no leases of a global limit. So
+slots are held through tasks/leases.py's `hold` (Prefect's lease endpoints, renewed for as long as the server is
+away), and a sentinel lease tells whether the server still knows the pool's leases: when it does not, one process
+sets the pool's counts to 0 and the trainings still running re-claim their own slots first. A training whose
+lease is lost re-claims its GPUs (during the grace period nobody else can take them); only where another run has
+taken them meanwhile (a server that kept its leases but let this one expire during a long outage) does it stop,
+as a SIGTERM would, rather than share a GPU. We keep no record of holders beside Prefect's: Prefect 3.9 stores a
+lease's holder (the train_adapter task run, passed here) but neither its API nor its Concurrency page shows the
+holders of a global limit, so which run holds a GPU is in that run's log ("holds GPU(s) ...") and its manifest.
+
 CPU share (cpu_share, cpu_threads): `qlora-cpu` is a counter, not a gate (CPU_COUNTER_SLOTS): every process that
 trains or evaluates holds one slot while it computes, so its active slots are the runs computing on this host now,
 and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share;
@@ -31,13 +46,13 @@ from typing import Any
 from uuid import UUID
 
 from tasks.errors import UserError
+from tasks.leases import LEASE_SECONDS, check_server_leases, hold
 from tasks.log import current_run_attempt, logger
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 PLACEMENT_LIMIT = "qlora-gpu-placement"
 CPU_LIMIT = "qlora-cpu"
 CPU_COUNTER_SLOTS = 10_000  # a counter: never reached, so nobody waits for it
-LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts
 WAITING_STATE = "Waiting for GPU"
 THREADS_VARIABLE = "QLORA_CPU_THREADS"  # an explicit thread count per process, over the share
 
@@ -61,6 +76,47 @@ def visible_gpus() -> list[str]:
     return entries[:count] if torch.cuda.is_available() else entries
 
 
+def num_gpus_problem(num_gpus: int | str) -> str | None:
+    """Why speed.num_gpus cannot train here, or None: more processes than this machine has GPUs for, or, where runs
+    go to a Prefect server with a GPU pool of devices, more than the pool's slots. 'auto' and 1 always fit."""
+    if num_gpus == "auto" or int(num_gpus) <= 1:
+        return None
+    try:
+        size, devices = _pool() if uses_server() else (0, False)
+    except Exception:  # noqa: BLE001 - no server to ask now: the run itself checks the pool when it trains
+        size, devices = 0, False
+    if devices and int(num_gpus) > size:
+        return _pool_too_small(int(num_gpus), size)
+    have, what = gpu_capacity()
+    if int(num_gpus) > have:
+        return (f"speed.num_gpus={num_gpus}, but this machine has {what}. Set speed.num_gpus to {have} or less (or "
+                f"'auto': every GPU it has).")
+    return None
+
+
+def gpu_capacity() -> tuple[int, str]:
+    """How many training processes this machine gives a GPU each, and what they are, in words. Where CUDA runs,
+    its visible GPUs. Without CUDA, speed.num_gpus > 1 starts that many CPU processes (gloo): as many as
+    CUDA_VISIBLE_DEVICES lists where it is set (how a test or a CPU worker of a GPU pool stands for GPUs), else
+    one per core, since more processes than cores only take turns on them, each with its own copy of the model."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = len(visible_gpus())
+        return count, f"{count} GPU(s) visible to CUDA"
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        count = len(visible_gpus())
+        return count, f"no CUDA, and CUDA_VISIBLE_DEVICES lists {count} device(s) for its CPU processes"
+    cores = host_cores()
+    return cores, f"no CUDA: {cores} core(s), one CPU training process (gloo) each at most"
+
+
+def _pool_too_small(gpus: int, size: int) -> str:
+    return (f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU of the worker. "
+            f"Set speed.num_gpus to {size} or less, or size the pool with `qlora-pipeline setup --gpus {gpus}` on a "
+            f"worker with that many GPUs.")
+
+
 def uses_server() -> bool:
     """True when runs go to a Prefect server (PREFECT_API_URL), where several runs can compete for the GPU.
 
@@ -80,21 +136,24 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
     the training processes), or None where there is no pool of devices (no server, outside a flow run, a pool
     without device limits: one slot, on whatever this process sees). Strict: a missing limit is an error.
 
-    A run that has to wait says so: a log line, and its train_adapter task run shows the state "Waiting for GPU"
-    (type Pending) until the slots free, then Running again.
+    A run that has to wait says so, however the race for the slots falls: a log line, and the state "Waiting for
+    GPU" (type Pending) on its train_adapter task run and on its flow run (unless another of its trainings runs)
+    until the slots free, then Running again.
     """
+    if gpus > 1 and (problem := num_gpus_problem(gpus)):  # a run from the form or a deployment is checked here
+        raise UserError(problem)
     if current_run_attempt() is None or not uses_server():
         yield None
         return
     size, devices = _pool()
     wanted = gpus if devices else 1  # without devices, the one slot means one training at a time
     if devices and gpus > size:
-        raise UserError(f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU "
-                        f"of the worker. Set speed.num_gpus to {size} or less, or size the pool with "
-                        f"`qlora-pipeline setup --gpus {gpus}` on a worker with that many GPUs.")
+        raise UserError(_pool_too_small(gpus, size))
+    waiting = _Waiting(wanted)
     with ExitStack() as held:
-        _take(held, GPU_LIMIT, wanted)
+        _take(held, GPU_LIMIT, wanted, waiting)
         if not devices:
+            waiting.over()
             yield None
             return
         names = visible_gpus()
@@ -102,7 +161,8 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
             raise UserError(f"The GPU pool ({GPU_LIMIT!r}) has {size} slots, but this worker sees {len(names)} "
                             f"GPU(s) ({', '.join(names) or 'none'}). Run `qlora-pipeline setup --gpus "
                             f"{len(names)}` (or start the worker where CUDA_VISIBLE_DEVICES lists {size} GPUs).")
-        mine = [names[i] for i in _place(held, wanted, size)]
+        mine = [names[i] for i in _place(held, wanted, size, waiting)]
+        waiting.over()
         logger().info("train_adapter: holds GPU(s) %s of the pool (%d of %d slots of %r; CUDA_VISIBLE_DEVICES=%s "
                       "for its training processes)", ", ".join(mine), wanted, size, GPU_LIMIT, ",".join(mine))
         yield mine
@@ -137,37 +197,31 @@ def _pool() -> tuple[int, bool]:
     return size, size > 0
 
 
-def _take(held: ExitStack, name: str, slots: int) -> None:
-    """Take `slots` slots of `name` into `held`, saying so while it waits."""
-    from prefect.concurrency.sync import concurrency
+def _take(held: ExitStack, name: str, slots: int, waiting: _Waiting | None = None) -> None:
+    """Take `slots` slots of `name` into `held` (tasks/leases.py keeps them through a server restart)."""
+    from prefect.runtime import task_run
 
-    # A short lease, renewed in the background while training runs: a run killed with -9 frees its slots
-    # within LEASE_SECONDS instead of blocking the next run; a renewal hiccup does not kill the training.
-    options = {"occupy": slots, "strict": True, "lease_duration": LEASE_SECONDS,
-               "raise_on_lease_renewal_failure": False}
-    try:
-        started = _say_waiting(slots) if name == GPU_LIMIT and _slots_taken(slots) else None
-        held.enter_context(concurrency(name, **options))
-        if started is not None:
-            _say_running(started)
-    except Exception as exc:
-        if type(exc).__name__ != "ConcurrencySlotAcquisitionError":  # not exported publicly by prefect
-            raise
-        raise UserError(f"Training could not take the GPU slot of the global concurrency limit {name!r}: "
-                        f"{exc}. If the limit does not exist on this Prefect server, run `qlora-pipeline "
-                        "setup` once.") from exc
+    holder = UUID(str(task_run.id)) if task_run.id else None
+    held.enter_context(hold(name, slots, strict=True, critical=name != PLACEMENT_LIMIT, holder=holder,
+                            on_wait=waiting.start if waiting else None))
 
 
-def _place(held: ExitStack, wanted: int, size: int) -> list[int]:
+def _place(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[int]:
     """Take `wanted` free device limits into `held`; their indices. Runs place one at a time (PLACEMENT_LIMIT), so
     what is read free here stays free until taken."""
     from prefect import get_client
 
     with ExitStack() as placing:
-        _take(placing, PLACEMENT_LIMIT, 1)
+        _take(placing, PLACEMENT_LIMIT, 1, waiting)
         deadline = time.monotonic() + 2 * LEASE_SECONDS  # a killed run's device lease lapses within LEASE_SECONDS
         while True:
             with get_client(sync_client=True) as client:
+                # after a repair of the pool, its running trainings re-claim their devices first (tasks/leases.py)
+                if (grace := check_server_leases(client)) > 0:
+                    waiting.start()
+                    time.sleep(min(grace, 1.0))
+                    deadline = time.monotonic() + 2 * LEASE_SECONDS
+                    continue
                 free = [i for i in range(size)
                         if client.read_global_concurrency_limit_by_name(device_limit(i)).active_slots == 0]
             if len(free) >= wanted:
@@ -178,40 +232,38 @@ def _place(held: ExitStack, wanted: int, size: int) -> list[int]:
                                    f"{GPU_LIMIT}-<i> slots (see Concurrency in the Prefect UI)")
             time.sleep(1)
         for i in free[:wanted]:
-            _take(held, device_limit(i), 1)
+            _take(held, device_limit(i), 1, waiting)
     return free[:wanted]
 
 
-def _slots_taken(wanted: int) -> bool:
-    """True when fewer than `wanted` slots are free now (a timed acquire instead would log an ERROR when it times
-    out)."""
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
+class _Waiting:
+    """What a waiting training shows: said once when the wait starts, undone when it ends."""
 
-    with get_client(sync_client=True) as client:
-        try:
-            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-        except ObjectNotFound:  # the strict acquisition says what to do
-            return False
-    return limit.active_slots + wanted > limit.limit
+    def __init__(self, wanted: int) -> None:
+        self.wanted = wanted
+        self.since: float | None = None
 
+    def start(self) -> None:
+        from prefect.states import Pending
 
-def _say_waiting(wanted: int) -> float:
-    """Log that this run waits for the slots and show it as the task run's state; when the wait began."""
-    from prefect.states import Pending
+        if self.since is not None:
+            return
+        self.since = time.monotonic()
+        logger().info("train_adapter: waiting for the GPU: other runs hold the slots of the global concurrency "
+                      "limit %r that it needs (%d); training starts when they end (or within %d s of them being "
+                      "killed)", GPU_LIMIT, self.wanted, LEASE_SECONDS)
+        state = Pending(name=WAITING_STATE, message=f"Waiting for {self.wanted} {GPU_LIMIT!r} slot(s)")
+        _set_task_state(state)
+        _set_flow_state(state, only_if=_no_other_training)
 
-    logger().info("train_adapter: waiting for the GPU: other runs hold the slots of the global concurrency limit "
-                  "%r that it needs (%d); training starts when they end (or within %d s of them being killed)",
-                  GPU_LIMIT, wanted, LEASE_SECONDS)
-    _set_task_state(Pending(name=WAITING_STATE, message=f"Waiting for {wanted} {GPU_LIMIT!r} slot(s)"))
-    return time.monotonic()
+    def over(self) -> None:
+        from prefect.states import Running
 
-
-def _say_running(started: float) -> None:
-    from prefect.states import Running
-
-    logger().info("train_adapter: took the GPU slot after waiting %.0f s", time.monotonic() - started)
-    _set_task_state(Running())
+        if self.since is None:
+            return
+        logger().info("train_adapter: took the GPU slot after waiting %.0f s", time.monotonic() - self.since)
+        _set_task_state(Running())
+        _set_flow_state(Running(), only_if=_flow_waits)
 
 
 def _set_task_state(state: Any) -> None:
@@ -234,6 +286,31 @@ def _set_task_state(state: Any) -> None:
                     logger().warning("train_adapter: could not show the state %r in the UI", state.name)
                     return
                 time.sleep(0.5)
+
+
+def _set_flow_state(state: Any, only_if: Any) -> None:
+    """Show `state` on this flow run too (the runs list shows flow runs), where only_if(client, flow run) holds."""
+    from prefect import get_client
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(UUID(str(flow_run.id)))
+        if only_if(client, run):
+            client.set_flow_run_state(run.id, state, force=True)
+
+
+def _no_other_training(client: Any, run: Any) -> bool:
+    """True when no other train_adapter task run of this flow run (a sweep's candidate) is Running."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.runtime import task_run
+
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return not any(t.task_key.startswith("train_adapter") and str(t.id) != str(task_run.id)
+                   and t.state is not None and t.state.name == "Running" for t in tasks)
+
+
+def _flow_waits(_client: Any, run: Any) -> bool:
+    return run.state is not None and run.state.name == WAITING_STATE
 
 
 def host_cores() -> int:
@@ -287,12 +364,8 @@ def cpu_share(stage: str, processes: int = 1) -> Iterator[int]:
 
     with ExitStack() as held:
         holding = current_run_attempt() is not None and uses_server()
-        if holding:
-            from prefect.concurrency.sync import concurrency
-
-            # not strict: a server set up before this limit existed just shares less well
-            held.enter_context(concurrency(CPU_LIMIT, occupy=1, lease_duration=LEASE_SECONDS,
-                                           raise_on_lease_renewal_failure=False))
+        if holding:  # not strict: a server set up before this limit existed just shares less well
+            holding = held.enter_context(hold(CPU_LIMIT, 1, strict=False, critical=False))
         threads = cpu_threads(stage, processes, holding)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)

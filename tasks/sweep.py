@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ValidationError
 
 from tasks import disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
-from tasks.config import RunConfig, TrackArgs
+from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.limits import pool_gpus
 from tasks.log import current_run_attempt, logger
@@ -106,13 +107,41 @@ class Ranking:
 
 def load_grid(path: Path) -> tuple[dict[str, list[Any]] | None, list[dict[str, Any]] | None]:
     """(grid, None) for a YAML mapping of keys to lists of values, (None, candidates) for a list of overrides."""
-    loaded = yaml.safe_load(Path(path).read_text())
+    loaded = _read_grid(Path(path))
     if isinstance(loaded, dict):
         return loaded, None
     if isinstance(loaded, list):
         return None, loaded
     raise UserError(f"{path}: a sweep grid is a mapping of SECTION.FIELD keys to lists of values (lora.r: [4, 8]) "
                     f"or a list of overrides (- {{lora.r: 4}}), not {type(loaded).__name__}. Fix the file.")
+
+
+_GRID_SHAPE = ("a sweep grid is a YAML mapping of SECTION.FIELD keys to lists of values (lora.r: [4, 8]) or a list "
+               "of overrides (- {lora.r: 4})")
+
+
+def _read_grid(path: Path) -> Any:
+    """The grid file's YAML; a UserError naming the file for whatever keeps it from being read as one."""
+    if not path.is_file():
+        raise UserError(f"grid file {path} {'is a folder' if path.is_dir() else 'does not exist'}; {_GRID_SHAPE}.")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:  # it becomes the sweep's flow-run parameters
+        raise UserError(f"grid file {path} is {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} bytes Prefect "
+                        f"accepts as a flow run's parameters; {_GRID_SHAPE}, a few lines.")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"grid file {path} is not text (byte {exc.start} is not UTF-8): is it the file you meant? "
+                        f"{_GRID_SHAPE[0].upper()}{_GRID_SHAPE[1:]}.") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserError(f"grid file {path} is not valid YAML ({getattr(exc, 'problem', None) or exc}{where}); "
+                        f"{_GRID_SHAPE}. Fix the file.") from None
+    except RecursionError:
+        raise UserError(f"grid file {path} is nested too deeply to read; {_GRID_SHAPE}, a few levels deep. Look "
+                        "for runaway brackets or indentation.") from None
+    except OSError as exc:
+        raise UserError(f"cannot read the grid file {path} ({exc.strerror or exc}).") from None
 
 
 def expand(base: RunConfig, grid: dict[str, Any] | None = None, candidates: list[Any] | None = None) -> Plan:
@@ -254,13 +283,31 @@ def training_runner() -> Iterator[Any]:
     training's threads are already sized to its share of them, tasks/limits.py cpu_share).
     """
     from prefect.context import FlowRunContext
-    from prefect.task_runners import ThreadPoolTaskRunner
 
     gpus = pool_gpus()
     if gpus:
         logger().info("sweep: up to %d candidate(s) train at once, one per free GPU of the pool", gpus)
-    with ThreadPoolTaskRunner(max_workers=gpus) if gpus else nullcontext(FlowRunContext.get().task_runner) as runner:
+    with SignalLeavesThreads(max_workers=gpus) if gpus else nullcontext(FlowRunContext.get().task_runner) as runner:
         yield runner
+
+
+class SignalLeavesThreads(ThreadPoolTaskRunner):
+    """Prefect's ThreadPoolTaskRunner, except that a flow leaving on a signal (SIGTERM, Ctrl-C) does not wait for
+    the tasks still running in its threads: Prefect's runner joins them on exit, before its flow engine records the
+    crash, so a SIGTERM during a candidate's training waited for that training to end (minutes). Their task runs
+    are ended by the flow's crash hook (tasks/artifacts.py failure_summary) and the threads by the process's exit;
+    a training resumes from its latest complete checkpoint on the next run."""
+
+    def duplicate(self) -> SignalLeavesThreads:  # the copy the flow engine enters
+        return SignalLeavesThreads(max_workers=self._max_workers)
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception) and self._executor is not None:
+            for event in self._cancel_events.values():
+                event.set()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        super().__exit__(exc_type, exc_value, traceback)
 
 
 def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:

@@ -144,3 +144,61 @@ def settled_task_states(flow_run_id: Any, timeout: float = 60) -> dict[str, list
         if not unsettled or time.time() > deadline:
             return states
         time.sleep(1)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_prefect_server(home: Path, port: int) -> subprocess.Popen:
+    """`prefect server start` on localhost:port with its own PREFECT_HOME (SQLite, leases as Prefect's default
+    keeps them), in its own process group; its output goes to home/server.log. Wait with wait_for_server."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**cli_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, cwd=home, stdout=(home / "server.log").open("a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_server(port: int, timeout: float = 180) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("prefect server did not become healthy")
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to a process group started with start_new_session, SIGKILL if it outlives `timeout`."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def session_processes(sid: int) -> list[int]:
+    """The processes still alive in session `sid` (a process started with start_new_session and its children)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getsid(int(proc.name)) == sid and (proc / "stat").read_text().split()[2] != "Z":
+                found.append(int(proc.name))
+        except (OSError, ProcessLookupError):  # ended meanwhile
+            pass
+    return found

@@ -279,3 +279,35 @@ def test_server_that_does_not_start_in_time_gets_longer_and_one_retry() -> None:
                           "print(os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS'])"],
                          cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
     assert env.stdout.split()[-1] == str(cli.EPHEMERAL_STARTUP_S) and cli.EPHEMERAL_STARTUP_S >= 60
+
+
+# ---- speed.num_gpus against the machine (issue 41) ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU bounds: cores and CUDA_VISIBLE_DEVICES")
+def test_num_gpus_beyond_what_this_machine_has_fails_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without CUDA, N > 1 starts N CPU processes: at most one per core, or as many as
+    CUDA_VISIBLE_DEVICES lists where it stands for GPUs; beyond that, exit 2 at validate time (and in the stage,
+    for a run started from the form)."""
+    from deployments.cli import USER_ERROR_EXIT, main
+    from tasks.limits import gpu_slot, host_cores
+
+    cores = host_cores()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    runs = tmp_path / "runs"
+    for command in ("validate", "run"):
+        assert main([command, "--set", "speed.num_gpus=64", "--set", f"runs_dir={runs}"]) == USER_ERROR_EXIT
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"speed.num_gpus=64, but this machine has no CUDA: {cores} core(s)" in err, err
+        assert f"Set speed.num_gpus to {cores} or less" in err and "Traceback" not in err
+    assert not runs.exists()  # nothing started
+    assert main(["validate", "--set", f"speed.num_gpus={cores}"]) == 0
+    with pytest.raises(UserError, match="speed.num_gpus=64, but this machine has"), gpu_slot(64):
+        pass
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # how a CPU machine stands for a 2-GPU worker
+    capsys.readouterr()
+    assert main(["validate", "--set", "speed.num_gpus=3"]) == USER_ERROR_EXIT
+    assert "no CUDA, and CUDA_VISIBLE_DEVICES lists 2 device(s)" in " ".join(capsys.readouterr().err.split())
+    assert main(["validate", "--set", "speed.num_gpus=2"]) == 0

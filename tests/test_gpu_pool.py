@@ -4,6 +4,10 @@ pool to 2. Runs are flow runs in threads of this process; the ones that train do
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,9 +17,20 @@ from uuid import UUID
 
 import pytest
 
-from tasks.config import LoraArgs, SpeedArgs, TrainArgs
+from tasks.config import PROJECT_ROOT, LoraArgs, SpeedArgs, TrainArgs
 from tasks.limits import CPU_LIMIT, GPU_LIMIT, THREADS_VARIABLE, WAITING_STATE, cpu_threads, device_limit, gpu_slot
 from tasks.manifest import read_manifest
+from tests.conftest import (
+    cli,
+    cli_env,
+    finish,
+    free_port,
+    session_processes,
+    small_overrides,
+    start_prefect_server,
+    stop_group,
+    wait_for_server,
+)
 
 
 @pytest.fixture
@@ -54,15 +69,17 @@ def _wait_for(condition: Any, timeout: float = 60) -> None:
 
 def test_runs_share_the_pool_on_different_gpus_and_a_third_waits(two_gpu_pool: None) -> None:
     from prefect import flow, task
-    from prefect.runtime import task_run
+    from prefect.runtime import flow_run, task_run
 
     held: dict[str, list[str] | None] = {}
     task_runs: dict[str, str] = {}
+    flow_runs: dict[str, str] = {}
     release = {name: threading.Event() for name in ("a", "b", "c", "both")}
 
     @task
     def train(name: str, gpus: int) -> None:
         task_runs[name] = str(task_run.id)
+        flow_runs[name] = str(flow_run.id)
         with gpu_slot(gpus) as devices:
             held[name] = devices
             assert release[name].wait(120)
@@ -92,6 +109,8 @@ def test_runs_share_the_pool_on_different_gpus_and_a_third_waits(two_gpu_pool: N
         threads[name].join(60)
     _wait_for(lambda: _limit(GPU_LIMIT).active_slots == 0)
     assert _task_states(task_runs["c"])[-3:] == [WAITING_STATE, "Running", "Completed"]
+    assert _flow_run_states(flow_runs["c"])[-3:] == [WAITING_STATE, "Running", "Completed"]  # the runs list too
+    assert WAITING_STATE not in _flow_run_states(flow_runs["a"])
 
     both = threading.Thread(target=run, args=("both", 2))
     both.start()
@@ -215,3 +234,118 @@ def test_cpu_threads_share_the_cores_and_an_explicit_count_wins(prefect_env: Pat
     assert cpu_threads("test") == 12
     monkeypatch.setenv(limits.THREADS_VARIABLE, "5")
     assert cpu_threads("test") == 5
+
+
+# ---- a Prefect server restart, and SIGTERM while waiting (tasks/leases.py) ---------------------------------------
+
+
+def _holder(gpus: int, folder: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A run in a process of its own that holds `gpus` GPUs of the pool until folder/release exists."""
+    folder.mkdir()
+    return subprocess.Popen([sys.executable, "-m", "tests.pool_holder", str(gpus), str(folder)], cwd=PROJECT_ROOT,
+                            env=env, stdout=(folder / "log").open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _held(folder: Path, proc: subprocess.Popen, timeout: float = 240) -> str:
+    _wait_for(lambda: (folder / "held").exists() or proc.poll() is not None, timeout)
+    assert (folder / "held").exists(), (folder / "log").read_text()[-3000:]
+    return (folder / "held").read_text()
+
+
+def _active() -> dict[str, int]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return {limit.name: limit.active_slots for limit in client.read_global_concurrency_limits(limit=200)}
+
+
+def _flow_run_states(flow_run_id: str) -> list[str]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return [s.name for s in client.read_flow_run_states(UUID(flow_run_id))]
+
+
+def _pipeline_run() -> Any:
+    """The one qlora-pipeline flow run on the server, or None."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["qlora-pipeline"])))
+    return runs[0] if runs else None
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+def test_a_server_restart_frees_the_dead_runs_slots_and_keeps_the_live_ones(tmp_path: Path, small_data: Path) -> None:
+    """A real `prefect server start` (leases in its memory, Prefect's default) with a 2-GPU pool; run A holds a
+    GPU through a restart, run B was killed before it. After the restart `setup` repairs the counts, A re-claims
+    its GPU first (a new run C is placed on B's), and nothing stays taken once they end. A CLI run D that waits for
+    both GPUs shows "Waiting for GPU" on its flow run and ends within seconds of SIGTERM, Crashed."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.leases import GRACE_SECONDS
+
+    port, home = free_port(), tmp_path / "prefect"
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**cli_env(tmp_path / "client"), "PREFECT_API_URL": url, "CUDA_VISIBLE_DEVICES": "0,1",
+           "PYTHONPATH": str(PROJECT_ROOT)}
+    server = start_prefect_server(home, port)
+    procs: list[subprocess.Popen] = []
+    try:
+        wait_for_server(port)
+        setup = [sys.executable, "-m", "deployments.cli", "setup", "--gpus", "2"]
+        assert subprocess.run(setup, env=env, cwd=PROJECT_ROOT, timeout=300).returncode == 0
+        procs += [_holder(1, tmp_path / "a", env), _holder(1, tmp_path / "b", env)]
+        a, b = procs
+        held = {"a": _held(tmp_path / "a", a), "b": _held(tmp_path / "b", b)}
+        assert sorted(held.values()) == ["0", "1"]
+        os.killpg(b.pid, signal.SIGKILL)  # B dies holding its GPU
+        os.kill(a.pid, signal.SIGSTOP)  # A sleeps through the restart, so `setup` is first to see it
+        stop_group(server)
+        server = start_prefect_server(home, port)
+        wait_for_server(port)
+        done = subprocess.run(setup, env=env, cwd=PROJECT_ROOT, timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        repaired = time.monotonic()
+        out = " ".join(done.stdout.split())
+        assert "repaired: the server held no leases for these slots" in out, out
+        assert "qlora-gpu 2 -> 0; qlora-gpu-0 1 -> 0; qlora-gpu-1 1 -> 0" in out, out
+        assert "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem" in out
+
+        os.kill(a.pid, signal.SIGCONT)
+        procs.append(_holder(1, tmp_path / "c", env))  # a new run, while A has priority on its own GPU
+        runs = tmp_path / "runs"
+        overrides = small_overrides(small_data, runs, **{"speed.num_gpus": 2})
+        procs.append(cli(["run", *sum((["--set", o] for o in overrides), [])], env, tmp_path / "d"))
+        c, d = procs[2:]
+        assert _held(tmp_path / "c", c) == held["b"]  # the dead run's GPU; A's stayed A's
+        assert time.monotonic() - repaired > GRACE_SECONDS - 15  # C waited for A to re-claim first
+        assert "re-claimed its 1 slot(s)" in (tmp_path / "a" / "log").read_text()
+        with temporary_settings({PREFECT_API_URL: url}):
+            assert WAITING_STATE in _flow_run_states((tmp_path / "c" / "flow-run").read_text())
+            assert {k: v for k, v in _active().items() if k.startswith(GPU_LIMIT)} == {
+                GPU_LIMIT: 2, device_limit(0): 1, device_limit(1): 1, f"{GPU_LIMIT}-placement": 0,
+                f"{GPU_LIMIT}-leases": 1}
+
+            # D waits for both GPUs, visibly on its flow run, until SIGTERM ends it
+            _wait_for(lambda: (run := _pipeline_run()) is not None and run.state.name == WAITING_STATE, 300)
+            stopping = time.monotonic()
+            os.kill(d.pid, signal.SIGTERM)
+            _, err = finish(d, tmp_path / "d", timeout=60)
+            assert time.monotonic() - stopping < 15, err[-3000:]
+            assert d.returncode == 143 and "stopped: the run got SIGTERM" in " ".join(err.split()), err[-3000:]
+            _wait_for(lambda: not session_processes(d.pid), 10)
+            assert _pipeline_run().state.type.value == "CRASHED"
+
+            for name in ("a", "c"):
+                (tmp_path / name / "release").touch()
+            assert [p.wait(timeout=60) for p in (a, c)] == [0, 0]
+            _wait_for(lambda: not any(v for k, v in _active().items() if k != f"{GPU_LIMIT}-leases"), 30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(server)

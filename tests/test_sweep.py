@@ -4,6 +4,9 @@ candidate that fails alone, and the bad-grid message."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,15 @@ import yaml
 from tasks.config import EMBEDDED_DATA, load_config
 from tasks.errors import UserError
 from tasks.sweep import expand
-from tests.conftest import SMALL_ROWS, settled_task_states, small_overrides
+from tests.conftest import (
+    SMALL_ROWS,
+    cli,
+    cli_env,
+    session_processes,
+    settled_task_states,
+    small_overrides,
+    wait_for_checkpoint,
+)
 
 GRID = {"lora.r": [4, 8], "train.learning_rate": [1e-3, 3e-3]}
 
@@ -240,3 +251,52 @@ def test_grid_file_and_candidate_list_shapes(tmp_path: Path) -> None:
         expand(load_config(), None, [])
     with pytest.raises(UserError, match="the same config as c1"):
         expand(load_config(), None, [{"lora.r": 4}, {"lora.r": 4}])
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (b"lora.r: [4, 8\ntrain: {\n", "is not valid YAML (expected ',' or ']', but got ':' at line 2, column 6)"),
+    (b"\x00\x01\xff\xfe", "is not text (byte 2 is not UTF-8)"),
+    (("lora.r: " + "[" * 5000 + "4" + "]" * 5000 + "\n").encode(), "is nested too deeply to read"),
+    (None, "is a folder"),
+], ids=["invalid-yaml", "binary", "nested-5000", "folder"])
+def test_unreadable_grid_file_is_one_paragraph_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None, problem: str) -> None:
+    from deployments.cli import USER_ERROR_EXIT, main
+
+    grid = tmp_path / "grid.yaml"
+    grid.mkdir() if content is None else grid.write_bytes(content)
+    runs = tmp_path / "runs"
+    assert main(["sweep", "--grid", str(grid), "--set", f"runs_dir={runs}"]) == USER_ERROR_EXIT
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"error: grid file {grid} {problem}" in err, err[:2000]
+    assert "Traceback" not in err and len(err) < 1000 and not runs.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+def test_sigterm_during_a_sweep_ends_it_within_seconds_as_crashed(small_data: Path, tmp_path: Path) -> None:
+    """SIGTERM to a sweep's process group while a candidate trains (in a thread of the process, on a CPU): the
+    sweep is recorded Crashed with its hook, the process exits 143 within seconds, no traceback from a server that
+    went first, nothing of it left running."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("lora.r: [4, 8]\n")
+    overrides = small_overrides(small_data, tmp_path / "runs", **{"train.max_steps": 400})
+    proc = cli(["sweep", "--grid", str(grid), *sum((["--set", o] for o in overrides), [])],
+               cli_env(tmp_path / "prefect"), tmp_path / "sweep")
+    try:
+        wait_for_checkpoint(proc, tmp_path / "runs", tmp_path / "sweep")
+        stopping = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+        took = time.monotonic() - stopping
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "sweep.err").read_text()
+    assert proc.returncode == 143 and took < 15, (took, err[-3000:])
+    assert "Hook 'failure_summary' finished running successfully" in err, err[-3000:]
+    assert "stopped: the run got SIGTERM and ended as Crashed" in " ".join(err.split())
+    for noise in ("Traceback", "ConnectError", "Error logging to API"):
+        assert noise not in err, err[-3000:]
+    time.sleep(1)
+    assert not session_processes(proc.pid)

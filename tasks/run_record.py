@@ -57,8 +57,7 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     files["run.json"] = json.dumps({**summary, "config": config.model_dump(mode="json")}, indent=2).encode()
     write_run_folder(run_dir, Path(config.runs_dir), {name: data for name, data in files.items() if data is not None})
     if config.track.backend:  # what a backend did not take waits for a later run, named by this run folder
-        tracking.remember_unsent(Path(config.runs_dir), run_dir, manifests[-1].key, summary["tracking"],
-                                 tracking.flow_run_tags())
+        tracking.remember_unsent(Path(config.runs_dir), summary, tracking.flow_run_tags())
     return summary
 
 

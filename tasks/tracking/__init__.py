@@ -230,7 +230,10 @@ def _pipeline_run(config: RunConfig, stage_dirs: list[Path], statuses: dict[str,
 
 
 def _finish_one(name: str, track: TrackArgs, run: PipelineRun) -> Ref:
-    ref = backend(name).finish(track, run, run.manifests["train_adapter"].metrics.tracking.get(name))
+    opened = run.manifests["train_adapter"].metrics.tracking.get(name)
+    if opened is not None and _claimed(Path(run.config.runs_dir), name, run):
+        opened = None  # the training's run belongs to its first result, which waits to be sent: this one gets its own
+    ref = backend(name).finish(track, run, opened)
     if ref["logged"] == NOT_SENT:
         logger().warning("tracking: %s could not take this result (%s); the pipeline's files keep it, and the "
                          "next run that reaches it sends it (%s)", name, ref["reason"], PENDING)
@@ -240,14 +243,16 @@ def _finish_one(name: str, track: TrackArgs, run: PipelineRun) -> Ref:
     return ref
 
 
-def remember_unsent(runs_dir: Path, run_dir: Path, key: str, done: dict[str, Ref], flow_run: dict[str, str]) -> None:
-    """For each backend that could not take this run's result (`done`: finish's), a note in runs_dir/PENDING
-    naming the run folder, so that a later run sends it (`_send_pending`)."""
-    for name, ref in done.items():
+def remember_unsent(runs_dir: Path, summary: dict[str, Any], flow_run: dict[str, str]) -> None:
+    """For each backend that could not take a run's result (`summary`: record_run's, after its run.json is
+    written), a note in runs_dir/PENDING naming the run folder, so that a later run sends it (`_send_pending`)."""
+    stages, run_dir = summary["stages"], Path(summary["run_dir"])
+    for name, ref in summary.get("tracking", {}).items():
         if ref["logged"] == NOT_SENT:
-            note = {"run": str(run_dir.relative_to(runs_dir.resolve())), "target": _target(ref),
-                    "reason": ref["reason"], "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flow_run": flow_run}
-            path = _pending_file(runs_dir, name, key)
+            note = {"run": str(run_dir.relative_to(Path(runs_dir).resolve())), "target": _target(ref),
+                    "train_key": stages["train_adapter"]["key"], "reason": ref["reason"],
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flow_run": flow_run}
+            path = _pending_file(runs_dir, name, stages["export_adapter"]["key"])
             with disk.writing("tracking (the note of an unsent result)", runs_dir, path.parent,
                               "no note: the result stays unsent until a run of the same config"):
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +294,14 @@ def _unsent_run(runs_dir: Path, note: dict[str, Any]) -> PipelineRun:
     dirs = [runs_dir / stage / info["key"] for stage, info in stages.items()]
     return _pipeline_run(config, dirs, {stage: info["status"] for stage, info in stages.items()}, record["metrics"],
                          note["flow_run"])
+
+
+def _claimed(runs_dir: Path, name: str, run: PipelineRun) -> bool:
+    """Whether an earlier result of the same training waits to be sent to backend `name` (it takes the training's
+    run when it is sent: a training's run holds its first result)."""
+    train_key, own = run.manifests["train_adapter"].key, _pending_file(runs_dir, name, run.key)
+    notes = [path for path in (Path(runs_dir) / PENDING).glob(f"{name}-*.json") if path != own]
+    return any(json.loads(path.read_text()).get("train_key") == train_key for path in notes)
 
 
 def _pending_file(runs_dir: Path, name: str, key: str) -> Path:

@@ -28,6 +28,7 @@ training began; the config params, which determine them, are.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -98,8 +99,20 @@ def _advice(exc: BaseException, uri: str) -> str:
 
 
 def _bound_requests() -> None:
+    """BOUNDED_REQUESTS, and the log without the lines each failed try would add (idempotent): urllib3's warning
+    per retry, MLflow's error per queued send that failed; `_not_taken` says it once, with what happens next."""
     for name, value in BOUNDED_REQUESTS.items():
         os.environ.setdefault(name, value)
+    for name in ("urllib3.connectionpool", "mlflow.utils.async_logging.async_logging_queue"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropFailedTries) for f in log.filters):
+            log.addFilter(_DropFailedTries())
+
+
+class _DropFailedTries(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("Failed to log run data" in text or (text.startswith("Retrying") and "/mlflow" in text))
 
 
 def open_run(track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref | None:
@@ -220,6 +233,7 @@ def _finish(client: Any, track: TrackArgs, run: PipelineRun, ref: Ref | None) ->
             run_id = client.create_run(experiment, tags={"qlora.train_key": run.manifests["train_adapter"].key,
                                                          **_parent(track)}).info.run_id
         sent = _send_missing_steps(client, run_id, run, {})
+        sent = sent if run_id == (ref or {}).get("run_id") else 0  # a new run gets them all: nothing was missing
         _log(client, run_id, run)
         client.update_run(run_id, status="FINISHED",
                           name=f"{run.metrics['export_name']}-{run.metrics['export_version']}")

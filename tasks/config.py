@@ -462,8 +462,7 @@ class TrackArgs(_Section):
     )
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). None: MLflow's "
-        "own default (the MLFLOW_TRACKING_URI environment variable, else a local store). Without credentials: "
-        "MLflow reads them from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN.",
+        "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
         # Prefect's server checks a deployment run's parameters against this before it stores them
         json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )

@@ -332,6 +332,9 @@ def test_a_tracking_target_that_cannot_take_the_run_is_refused_in_one_paragraph(
     assert "MLflow cannot track into it" in refusal("not a tracking uri")[0]
     assert "MLflow cannot track into it" in refusal("htp://127.0.0.1:5000")[0]
     # credentials in the URI MLflow takes from its environment: refused too, masked
+    import mlflow
+
+    mlflow.set_tracking_uri(None)  # a tracked training earlier in this process set MLflow's own, which outranks it
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://bot:{SECRET}@127.0.0.1:5000")
     message, _ = refusal(None)
     assert "MLFLOW_TRACKING_URI" in message and "http://***@127.0.0.1:5000 holds credentials" in message

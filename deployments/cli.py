@@ -220,13 +220,27 @@ def _config_message(exc: Exception) -> str:
         # a value is quoted by a short prefix only: wrapping a 50 MB value into the paragraph took minutes
         errors = exc.errors(include_url=False)
         problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                    + (f" (got {_QUOTED.repr(e['input'])})" if e["type"] != "missing" else "")
+                    + (f" (got {_QUOTED.repr(_masked(e['input']))})" if e["type"] != "missing" else "")
                     for e in errors[:_SHOWN_PROBLEMS]]
         more = f"; and {len(errors) - _SHOWN_PROBLEMS:,} more" if len(errors) > _SHOWN_PROBLEMS else ""
         return (f"Invalid configuration, {len(errors)} problem(s): " + "; ".join(problems) + more
                 + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
     text = str(exc)
     return f"Invalid configuration: {text if len(text) <= 2000 else text[:2000] + ' ...'}."
+
+
+def _masked(value: Any) -> Any:
+    """A config value as it may be quoted: the credentials of a URI in it masked (before it is shortened, which
+    could cut the '@' that shows where they end)."""
+    from tasks.credentials import mask
+
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, dict):
+        return {k: _masked(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_masked(v) for v in value]
+    return value
 
 
 def _run(config: Any, as_json: bool) -> int:
@@ -433,7 +447,22 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"{' by the ' + m['gate_rule'] + ' rule' if m.get('gate_rule') else ''}: "
               f"{m['promotion_reason']}\nchampion now: {m['champion_version'] or 'none'}; this version: "
               f"{m['export_path']}")
+    _print_tracking(summary.get("tracking"))
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
+
+
+def _print_tracking(done: dict[str, dict[str, str]] | None) -> None:
+    """Where the run is tracked, per backend (or that it is not, or what a backend did not take)."""
+    if not done:
+        print("tracking: off (track.backend is empty)")
+    for name, ref in (done or {}).items():
+        if ref.get("reason"):  # tasks.tracking.NOT_SENT
+            print(f"tracking: {name} at {ref['tracking_uri']}: not sent ({ref['reason']}); the run's files keep it "
+                  "and the next run that reaches the server sends it")
+            continue
+        where = ref.get("url") or ref.get("log_dir") or f"{ref.get('tracking_uri')} run {ref.get('run_id')}"
+        sent = f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else ""
+        print(f"tracked in {name}: {where} (logged {ref['logged']}{sent})")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def temporary_server(startup_seconds: float) -> Iterator[str]:
     """Serve Prefect's API (no UI, no background services, as Prefect's temporary server) while in the block."""
     import uvicorn
     from prefect.server.api.server import create_app
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with another run
@@ -43,7 +43,9 @@ def temporary_server(startup_seconds: float) -> Iterator[str]:
         time.sleep(0.05)
     os.environ[TEMPORARY_API_ENV] = url
     try:
-        with temporary_settings({PREFECT_API_URL: url}):
+        # no UI here, and the API ends with the command: Prefect would infer a UI address from the API's and print
+        # "View at" links to it (and tracking would tag runs with them); "" says there is none
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_UI_URL: ""}):
             try:
                 yield url
             finally:

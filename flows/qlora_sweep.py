@@ -54,6 +54,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     """
     plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
+    tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)

@@ -318,3 +318,24 @@ def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:
             running.append(run.name.rsplit("-", 1)[0])
         client.set_task_run_state(run.id, Crashed(message=f"The flow run crashed: {message}"), force=True)
     return running
+
+
+def tracking_report(done: dict[str, dict[str, str]]) -> None:
+    """A markdown artifact: where each tracking backend holds this run, or what it did not take and why."""
+    if not _in_run():
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = ["| backend | where | logged |", "|---|---|---|"]
+    for name, ref in done.items():
+        where = ref.get("url") or ref.get("log_dir") or ref.get("tracking_uri", "")
+        logged = ref["logged"] + (f" ({ref['reason']})" if ref.get("reason") else "") + (
+            f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else "")
+        lines.append(f"| {name} | {_cell(where)} | {_cell(logged)} |")
+    unsent = [name for name, ref in done.items() if ref.get("reason")]
+    note = (f"\n\nNot sent to {', '.join(unsent)}: this run's files keep all of it (loss.jsonl, the stage folders, "
+            "run.json), noted in runs_dir/tracking-pending/; the next run that reaches the server sends it."
+            if unsent else "")
+    create_markdown_artifact(markdown="## Tracking\n\n" + "\n".join(lines) + note, key="tracking",
+                             description="where this run is tracked" + (": not all sent" if unsent else ""))
+

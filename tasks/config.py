@@ -1,7 +1,7 @@
 """RunConfig: the flow's one parameter, one `*Args` section per stage.
 
-Imports pydantic only, so the Prefect UI form renders where torch is not installed. Field names are
-the downstream library's own (peft's LoraConfig, transformers' TrainingArguments and
+Imports pydantic only (and tasks.credentials, which needs only `re`), so the Prefect UI form renders where torch
+is not installed. Field names are the downstream library's own (peft's LoraConfig, transformers' TrainingArguments and
 BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and needs no renaming layer.
 """
 
@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+
+from tasks import credentials
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
@@ -461,6 +463,8 @@ class TrackArgs(_Section):
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). None: MLflow's "
         "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
+        # Prefect's server checks a deployment run's parameters against this before it stores them
+        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )
     experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs go into (created if "
                                  "missing).")
@@ -481,6 +485,14 @@ class TrackArgs(_Section):
     def _one_or_many(cls, value: Any) -> Any:
         if isinstance(value, str):  # --set track.backend=mlflow, or "mlflow,tensorboard"
             return [] if value.strip() in ("", "none") else [v.strip() for v in value.split(",")]
+        return value
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        # refused, not masked: a secret kept in the config reaches Prefect's database, run.json and MLflow's params
+        if value is not None and (why := credentials.refusal("track.mlflow_tracking_uri", value)):
+            raise ValueError(why)
         return value
 
     @model_validator(mode="after")

@@ -53,8 +53,11 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
             config.export.name, registry.history(root), run_dir / "registry-history.png", write=False)
     if config.track.backend:  # one MLflow/TensorBoard run per result: this run's, or the earlier one it reused
         summary["tracking"] = tracking.finish(config, stage_dirs, {k: v["status"] for k, v in stages.items()}, metrics)
+        artifacts.tracking_report(summary["tracking"])
     files["run.json"] = json.dumps({**summary, "config": config.model_dump(mode="json")}, indent=2).encode()
     write_run_folder(run_dir, Path(config.runs_dir), {name: data for name, data in files.items() if data is not None})
+    if config.track.backend:  # what a backend did not take waits for a later run, named by this run folder
+        tracking.remember_unsent(Path(config.runs_dir), summary, tracking.flow_run_tags())
     return summary
 
 

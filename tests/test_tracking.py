@@ -3,12 +3,15 @@ client, and TensorBoard event files read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,38 +20,64 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks.config import load_config
+from tasks.config import PROJECT_ROOT, load_config
 from tasks.manifest import read_manifest
-from tests.conftest import run_flow, small_overrides, statuses
+from tests.conftest import cli, cli_env, finish, run_flow, small_overrides, statuses
+
+
+class MlflowServer:
+    """`mlflow server` with a SQLite store and a local artifact root on a free localhost port; a test may kill it
+    (SIGKILL, as a crash) and start it again on the same port and store."""
+
+    def __init__(self, root: Path) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.root, self.uri, self.proc = root, f"http://127.0.0.1:{port}", None
+        self.command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
+                        f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
+                        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+
+    def start(self) -> None:
+        log = self.root / "server.log"
+        # its own session, so the stop reaches the workers uvicorn starts
+        self.proc = subprocess.Popen(self.command, stdout=log.open("a"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 400  # about a minute on a busy 2-core machine
+        while not _healthy(self.uri):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise AssertionError("mlflow server did not start:\n" + log.read_text()[-3000:])
+            time.sleep(1)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=5)  # its store is a temporary folder: nothing to lose by a kill after that
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`mlflow server` with a SQLite store and a local artifact root on a free localhost port; stopped by pid."""
-    root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = root / "server.log"
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
-               f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    # its own session, so the stop reaches the workers uvicorn starts
-    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400  # about a minute on a busy 2-core machine
+def mlflow_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """The module's MLflow server, for tests that stop and start it (they leave it running)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
     try:
-        while not _healthy(uri):
-            assert proc.poll() is None and time.time() < deadline, "mlflow server did not start:\n" + log.read_text()
-            time.sleep(1)
-        yield uri
+        yield server
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)  # its store is a temporary folder: nothing to lose by a kill after that
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(mlflow_control: MlflowServer) -> str:
+    return mlflow_control.uri
 
 
 def _healthy(uri: str) -> bool:
@@ -202,3 +231,229 @@ def test_a_sweep_is_a_parent_run_with_its_candidates_as_children(mlflow_server: 
     reused = client.get_run(parent_id)
     assert reused.data.tags[RANKING_TAG] == parent.data.tags[RANKING_TAG]
     assert len(client.get_metric_history(parent_id, "c1.tuned_eval_loss")) == 1
+
+
+SECRET = "s3cr3t-Pa55w0rd"  # a password no test output or record may hold
+
+
+def test_a_uri_with_credentials_is_refused_and_its_secret_never_printed() -> None:
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    # what Prefect's server checks a deployment run's parameters against before it stores them
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    for uri in (f"http://bot:{SECRET}@127.0.0.1:5000", f"https://{SECRET}@mlflow.example.com",
+                f"http://127.0.0.1:5000/?token={SECRET}", f"http://127.0.0.1:5000/?a=1&API_KEY={SECRET}"):
+        with pytest.raises(ValidationError) as refused:
+            load_config(None, ["track.backend=mlflow", f"track.mlflow_tracking_uri={uri}"])
+        message = refused.value.errors()[0]["msg"]
+        assert "holds credentials" in message and "MLFLOW_TRACKING_PASSWORD" in message and SECRET not in message
+        assert validate({"config": {"track": {"mlflow_tracking_uri": uri}}}, schema), uri
+    for uri in ("http://127.0.0.1:5000", "sqlite:////srv/x@y/mlflow.db", "postgresql://db/mlflow?sslmode=require"):
+        assert load_config(None, [f"track.mlflow_tracking_uri={uri}"]).track.mlflow_tracking_uri == uri
+        assert not validate({"config": {"track": {"mlflow_tracking_uri": uri}}}, schema), uri
+
+    # the command line quotes what it refuses: masked
+    result = subprocess.run([sys.executable, "-m", "deployments.cli", "validate", "--set", "track.backend=mlflow",
+                             "--set", f"track.mlflow_tracking_uri=http://bot:{SECRET}@127.0.0.1:5000"],
+                            capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120)
+    assert result.returncode == 2 and SECRET not in result.stdout + result.stderr
+    assert "http://***@127.0.0.1:5000" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_tracking_writes_only_under_runs_dir_or_allowed_roots(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+    from tasks.errors import UserError
+
+    runs, data, elsewhere = tmp_path / "runs", tmp_path / "data", tmp_path / "elsewhere"
+    for folder in (runs, data, elsewhere):
+        folder.mkdir()
+    (runs / "link").symlink_to(elsewhere)
+
+    def check(**fields: object) -> None:
+        confined = {"runs_dir": runs, "data.allowed_roots": f"[{data}]", **fields}
+        tracking.check(load_config(None, [f"{k}={v}" for k, v in confined.items()]))
+
+    for outside in (elsewhere / "tb", runs / "link" / "tb", f"{runs}/../elsewhere/tb"):
+        with pytest.raises(UserError, match="outside runs_dir and data.allowed_roots"):
+            check(**{"track.backend": "tensorboard", "track.tensorboard_dir": outside})
+    check(**{"track.backend": "tensorboard"})  # runs_dir/tensorboard
+    check(**{"track.backend": "tensorboard", "track.tensorboard_dir": data / "tb"})
+    tracking.check(load_config(None, [f"runs_dir={runs}", "track.backend=tensorboard",  # no confinement set
+                                      f"track.tensorboard_dir={elsewhere}"]))
+
+    # a local MLflow store: refused before MLflow creates it; its artifacts go beside it, not to ./mlruns
+    with pytest.raises(UserError, match="a local MLflow store"):
+        check(**{"track.backend": "mlflow", "track.mlflow_tracking_uri": f"sqlite:///{elsewhere}/mlflow.db"})
+    assert not list(elsewhere.iterdir())
+    store = f"sqlite:///{runs}/mlflow.db"
+    check(**{"track.backend": "mlflow", "track.mlflow_tracking_uri": store})
+    location = MlflowClient(store).get_experiment_by_name("qlora-pipeline").artifact_location
+    assert location == (runs / "mlartifacts").as_uri()
+
+
+def test_a_tracking_target_that_cannot_take_the_run_is_refused_in_one_paragraph(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks import tracking
+    from tasks.errors import UserError
+
+    def refusal(uri: str | None) -> tuple[str, float]:
+        started = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            tracking.check(load_config(None, [f"runs_dir={tmp_path}", "track.backend=mlflow",
+                                              f"track.mlflow_tracking_uri={uri or 'null'}"]))
+        return " ".join(str(refused.value).split()), time.monotonic() - started
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        web = f"http://127.0.0.1:{other.server_address[1]}"
+        message, _ = refusal(web)
+        assert message.startswith(f"track.mlflow_tracking_uri={web}: a server answers there, but not as an MLflow "
+                                  "tracking server") and "Nothing has run yet" in message
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        message, took = refusal(closed)
+        assert f"{closed}: nothing answers there (connection refused)" in message and took < 30
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+        message, took = refusal(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        assert "no answer within 2 s" in message and took < 30
+    finally:
+        other.shutdown()
+        silent.close()
+    assert "MLflow cannot track into it" in refusal("not a tracking uri")[0]
+    assert "MLflow cannot track into it" in refusal("htp://127.0.0.1:5000")[0]
+    # credentials in the URI MLflow takes from its environment: refused too, masked
+    import mlflow
+
+    mlflow.set_tracking_uri(None)  # a tracked training earlier in this process set MLflow's own, which outranks it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://bot:{SECRET}@127.0.0.1:5000")
+    message, _ = refusal(None)
+    assert "MLFLOW_TRACKING_URI" in message and "http://***@127.0.0.1:5000 holds credentials" in message
+    assert SECRET not in message
+
+
+@pytest.mark.slow
+def test_prefect_refuses_a_deployment_run_with_credentials_before_storing_it(prefect_env: Path) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    config = {"track": {"backend": ["mlflow"], "mlflow_tracking_uri": f"http://bot:{SECRET}@127.0.0.1:5000"}}
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("qlora-pipeline")
+        deployment = client.create_deployment(
+            flow_id, "credentials-refused", enforce_parameter_schema=True,
+            parameter_openapi_schema=parameter_schema(qlora_pipeline).model_dump_for_openapi())
+        with pytest.raises(Exception, match="409") as refused:  # what the UI form's Submit gets
+            client.create_flow_run_from_deployment(deployment, parameters={"config": config})
+        assert "mlflow_tracking_uri" in str(refused.value)
+        assert not client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment])))
+    url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
+    database = Path(getattr(url, "get_secret_value", lambda: url)().split("///", 1)[1])
+    stored = b"".join(path.read_bytes() for path in database.parent.glob(f"{database.name}*"))
+    assert stored and SECRET.encode() not in stored
+
+
+@pytest.mark.slow
+def test_an_outage_costs_seconds_and_the_next_run_sends_what_the_server_missed(
+        mlflow_control: MlflowServer, prefect_env: Path, small_data: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.tracking import PENDING
+    from tasks.tracking.mlflow import KEY_TAG
+
+    # credentials come from MLflow's environment variables (the server ignores them): none may be written anywhere
+    creds = {"MLFLOW_TRACKING_USERNAME": "bot", "MLFLOW_TRACKING_PASSWORD": SECRET}
+    for name, value in creds.items():
+        monkeypatch.setenv(name, value)
+    runs, uri = tmp_path / "runs", mlflow_control.uri
+    track = {"track.backend": "mlflow", "track.mlflow_tracking_uri": uri, "track.experiment_name": "outage",
+             "train.max_steps": 16, "train.save_steps": 8, "eval.generation_samples": 2}
+    killed: list[float] = []
+
+    def kill_mid_training() -> None:
+        deadline = time.time() + 900
+        while not killed and time.time() < deadline:
+            logs = list((runs / "train_adapter").glob("*/loss.jsonl"))
+            if logs and len(logs[0].read_text().splitlines()) >= 5:
+                mlflow_control.kill()  # SIGKILL: a crash, mid-training
+                killed.append(time.time())
+            time.sleep(0.1)
+
+    threading.Thread(target=kill_mid_training, daemon=True).start()
+    try:
+        first = run_flow(small_overrides(small_data, runs, **track))
+        ended = time.time()
+        train_dir = Path(first["stages"]["train_adapter"]["dir"])
+        steps = [json.loads(line)["step"] for line in (train_dir / "loss.jsonl").read_text().splitlines()]
+        assert killed and steps == list(range(1, 17))
+        # after its last step the run waited seconds for the dead server (evaluation and export included), not
+        # MLflow's minutes of retries per queued step
+        assert ended - (train_dir / "loss.jsonl").stat().st_mtime < 150
+        unsent = first["tracking"]["mlflow"]
+        assert unsent["logged"] == "not sent" and unsent["reason"] == "nothing answers there (connection refused)"
+        export_key = first["stages"]["export_adapter"]["key"]
+        assert (runs / PENDING / f"mlflow-{export_key}.json").is_file()
+
+        # down at the start: refused before any stage, in one paragraph, as exit 2
+        env = {**cli_env(tmp_path / "prefect-home"), **creds}
+        fresh = tmp_path / "fresh"
+        down = cli(["run", *_sets(small_overrides(small_data, fresh, **track))], env, tmp_path / "down")
+        out, err = finish(down, tmp_path / "down", timeout=600)
+        assert down.returncode == 2, err[-3000:]
+        assert f"track.mlflow_tracking_uri={uri}: nothing answers there (connection refused)" in " ".join(err.split())
+        assert "Traceback" not in err and "View at" not in out + err and not (fresh / "prepare_data").exists()
+
+        # the server is back: the next run (another result of the same training) also sends the first run's
+        mlflow_control.start()
+        again = cli(["run", *_sets(small_overrides(small_data, runs, **track, **{"eval.max_samples": 8}))], env,
+                    tmp_path / "again")
+        out, err = finish(again, tmp_path / "again", timeout=900)
+        assert again.returncode == 0, err[-3000:]
+    finally:
+        if mlflow_control.proc.poll() is not None:
+            mlflow_control.start()  # the other tests of the module use it
+    # the summary says where the run is tracked
+    where = re.search(rf"^tracked in mlflow: {re.escape(uri)}/#/experiments/\d+/runs/(\w+) \(logged now\)$", out, re.M)
+    assert where and re.search(r"^train_adapter +cached ", out, re.M), out
+    assert re.search(r"tracking: mlflow: sent the result of runs/\S+, unsent since ", out + err), err[-3000:]
+    assert not list((runs / PENDING).iterdir())
+    client = MlflowClient(uri)
+    trained_in = read_manifest(train_dir).metrics.tracking["mlflow"]["run_id"]
+    assert client.get_run(trained_in).data.tags[KEY_TAG] == export_key  # the training's run holds its first result
+    own = client.get_run(where.group(1))
+    assert own.info.run_id != trained_in and own.data.tags["qlora.stage.train_adapter"] == "cached"
+    for run_id in (trained_in, own.info.run_id):
+        assert sorted({m.step for m in client.get_metric_history(run_id, "loss")}) == list(range(1, 17))
+    # the CLI's Prefect server ends with the command: no link to it, printed or tagged
+    assert "View at" not in out + err and "prefect.flow_run_url" not in own.data.tags
+
+    # no secret anywhere: the run folders and stage folders, the logs, MLflow's params and tags, Prefect's database
+    experiment = client.get_experiment_by_name("outage").experiment_id
+    for run in client.search_runs([experiment]):
+        assert SECRET not in json.dumps({**run.data.params, **run.data.tags})
+    written = [path for path in tmp_path.rglob("*") if path.is_file() and "prefect-home" not in path.parts]
+    assert all(SECRET.encode() not in path.read_bytes() for path in written)
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+    url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
+    database = Path(getattr(url, "get_secret_value", lambda: url)().split("///", 1)[1])
+    for path in [*database.parent.glob(f"{database.name}*"), *(tmp_path / "prefect-home").rglob("*.db*")]:
+        assert SECRET.encode() not in path.read_bytes(), path
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [part for item in overrides for part in ("--set", item)]

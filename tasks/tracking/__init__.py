@@ -16,6 +16,14 @@ Decisions:
 - A sweep (flows/qlora_sweep.py) has a run of its own, once per sweep key: `open_sweep` before the candidates
   train returns the track section they train with (MLflow: track.parent_run_id set to the sweep's run, so each
   candidate's run is its child), `finish_sweep` logs the ranking into it. A re-run of the same sweep reuses it.
+- Checked before any stage runs (`check`): a server that does not answer, is not the tracker, refuses the
+  credentials, or a URI with credentials in it, is a UserError then, not a traceback after the training.
+- A tracking server is not needed for the run to succeed once it started. An outage costs a bounded wait (each
+  backend bounds its own sends) and loses nothing: the pipeline's files (loss.jsonl, the stage folders, run.json)
+  are the source of truth, a backend's `finish` sends whatever its run lacks of them, and a result it could not
+  send is remembered in runs_dir/tracking-pending/ and sent by the next run that reaches the same server.
+- Every path tracking writes lies under runs_dir or data.allowed_roots when data.allowed_roots is set (the
+  deployment's confinement): TensorBoard's folder, a local MLflow store and its artifacts.
 
 Backends are imported by name when used, so a run without tracking needs neither mlflow nor tensorboard.
 """
@@ -25,16 +33,20 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tasks import disk
 from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.manifest import Manifest, read_manifest
 
 REFS = ".tracking.json"  # in the train_adapter folder while it trains: the runs its Trainer callbacks report into
+PENDING = "tracking-pending"  # runs_dir/tracking-pending/<backend>-<export key>.json: results a backend did not take
+NOT_SENT = "not sent"  # a finish ref's "logged" when the backend could not take the result (its "reason" says why)
 
 Ref = dict[str, str]  # what finds one backend's run: an MLflow run id and tracking URI, a TensorBoard folder
 
@@ -71,20 +83,26 @@ class SweepRun:
 
 
 class Backend(Protocol):
-    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these five
+    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these six
     functions; its name is one of config.TRACKING_BACKENDS."""
 
     REQUIRES: str
 
-    def open_run(self, track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref:
-        """Open the run a training reports into; what finds it again (JSON-able: torchrun's ranks read it)."""
+    def check(self, track: TrackArgs, runs_dir: Path, roots: list[Path] | None) -> None:
+        """Before any stage: a UserError if this run cannot be tracked there (unreachable, not the tracker,
+        credentials refused, a secret in a URI, or with `roots` set a path written outside them: `confine`)."""
+
+    def open_run(self, track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref | None:
+        """Open the run a training reports into; what finds it again (JSON-able: torchrun's ranks read it). None
+        when the backend cannot take it now (the training goes on; `finish` opens a run and sends its steps)."""
 
     def callbacks(self, ref: Ref) -> list[Any]:
-        """transformers TrainerCallbacks that report the training's logged steps into that run."""
+        """transformers TrainerCallbacks that report the training's logged steps into that run, in bounded time."""
 
     def finish(self, track: TrackArgs, run: PipelineRun, ref: Ref | None) -> Ref:
         """Log a finished pipeline run (into `ref`, the run its training opened, when there is one) once per
-        result; where it is now."""
+        result, with whatever of loss.jsonl that run lacks; where it is now. In bounded time: a backend that
+        cannot take it says so (`"logged": NOT_SENT`, with a "reason") instead of failing the run."""
 
     def open_sweep(self, track: TrackArgs, runs_dir: Path, key: str, tags: dict[str, str]) -> TrackArgs:
         """Find or open the sweep's own run; the track section its candidates train with (filed under it)."""
@@ -118,6 +136,26 @@ def flow_run_tags() -> dict[str, str]:
                                                      if ui else {})}
 
 
+def check(config: RunConfig) -> None:
+    """Before any stage runs: every backend of config.track can take this run (a UserError saying what failed)."""
+    allowed = config.data.allowed_roots
+    roots = None if allowed is None else [Path(config.runs_dir).expanduser().resolve(), *(
+        Path(root).expanduser().resolve() for root in allowed if "://" not in root)]
+    for name in config.track.backend:
+        backend(name).check(config.track, Path(config.runs_dir), roots)
+
+
+def confine(path: Path, what: str, roots: list[Path] | None) -> None:
+    """A UserError when `path` (links resolved) lies outside every one of `roots` (runs_dir and data.allowed_roots,
+    where a deployment set data.allowed_roots); None: no confinement."""
+    resolved = Path(path).expanduser().resolve()
+    if roots is None or any(resolved.is_relative_to(root) for root in roots):
+        return
+    raise UserError(f"{what} writes to {resolved}, outside runs_dir and data.allowed_roots "
+                    f"({', '.join(map(str, roots))}): with data.allowed_roots set, a run writes nowhere else. "
+                    "Put it under runs_dir, or ask whoever runs the deployment to allow its place.")
+
+
 def open_training(track: TrackArgs | None, runs_dir: Path, train_dir: Path) -> dict[str, Ref]:
     """Open each backend's run for the training in train_dir, or keep those an interrupted training there opened
     (a resumed training goes on in the same run); written to train_dir/.tracking.json for `trainer_callbacks`."""
@@ -125,8 +163,9 @@ def open_training(track: TrackArgs | None, runs_dir: Path, train_dir: Path) -> d
     refs = {name: ref for name, ref in read_refs(train_dir).items() if name in wanted}
     tags = {**flow_run_tags(), "qlora.train_key": train_dir.name}
     for name in wanted:
-        if name not in refs:
-            refs[name] = backend(name).open_run(track, runs_dir, f"train_adapter-{train_dir.name}", tags)
+        if name not in refs and (ref := backend(name).open_run(track, runs_dir, f"train_adapter-{train_dir.name}",
+                                                               tags)) is not None:
+            refs[name] = ref
             logger().info("train_adapter: tracking into %s %s", name, refs[name])
     if refs:
         (train_dir / REFS).write_text(json.dumps(refs))
@@ -168,17 +207,107 @@ def finish_sweep(track: TrackArgs, sweep: SweepRun) -> dict[str, Ref]:
 
 def finish(config: RunConfig, stage_dirs: list[str], statuses: dict[str, str], verdict: dict[str, Any]
            ) -> dict[str, Ref]:
-    """Log the finished run to every backend in config.track; where each holds it (for run.json).
+    """Log the finished run to every backend in config.track; where each holds it (for run.json). Then, into each
+    backend that took it, the results earlier runs could not send there.
 
     `verdict`: the run summary's metrics (eval metrics and the registry verdict); evaluate_adapter's
     metrics.json, whatever it holds, comes first."""
-    manifests = {m.stage: m for m in (read_manifest(Path(d)) for d in stage_dirs) if m is not None}
-    dirs = {m.stage: Path(d) for m, d in zip(manifests.values(), stage_dirs, strict=True)}
-    metrics = {**json.loads((dirs["evaluate_adapter"] / "metrics.json").read_text()), **verdict}
-    run = PipelineRun(config, manifests, dirs, statuses, metrics, flow_run_tags())
-    opened: dict[str, Ref] = manifests["train_adapter"].metrics.tracking
+    run = _pipeline_run(config, [Path(d) for d in stage_dirs], statuses, verdict, flow_run_tags())
     done = {}
     for name in config.track.backend:
-        done[name] = backend(name).finish(config.track, run, opened.get(name))
-        logger().info("tracking: %s %s", name, done[name])
+        done[name] = _finish_one(name, config.track, run)
+        if done[name]["logged"] != NOT_SENT:
+            _send_pending(name, Path(config.runs_dir), done[name])
     return done
+
+
+def _pipeline_run(config: RunConfig, stage_dirs: list[Path], statuses: dict[str, str], verdict: dict[str, Any],
+                  flow_run: dict[str, str]) -> PipelineRun:
+    manifests = {m.stage: m for m in (read_manifest(d) for d in stage_dirs) if m is not None}
+    dirs = {m.stage: d for m, d in zip(manifests.values(), stage_dirs, strict=True)}
+    metrics = {**json.loads((dirs["evaluate_adapter"] / "metrics.json").read_text()), **verdict}
+    return PipelineRun(config, manifests, dirs, statuses, metrics, flow_run)
+
+
+def _finish_one(name: str, track: TrackArgs, run: PipelineRun) -> Ref:
+    opened = run.manifests["train_adapter"].metrics.tracking.get(name)
+    if opened is not None and _claimed(Path(run.config.runs_dir), name, run):
+        opened = None  # the training's run belongs to its first result, which waits to be sent: this one gets its own
+    ref = backend(name).finish(track, run, opened)
+    if ref["logged"] == NOT_SENT:
+        logger().warning("tracking: %s could not take this result (%s); the pipeline's files keep it, and the "
+                         "next run that reaches it sends it (%s)", name, ref["reason"], PENDING)
+    else:
+        logger().info("tracking: %s %s", name, ref)
+        _pending_file(Path(run.config.runs_dir), name, run.key).unlink(missing_ok=True)
+    return ref
+
+
+def remember_unsent(runs_dir: Path, summary: dict[str, Any], flow_run: dict[str, str]) -> None:
+    """For each backend that could not take a run's result (`summary`: record_run's, after its run.json is
+    written), a note in runs_dir/PENDING naming the run folder, so that a later run sends it (`_send_pending`)."""
+    stages, run_dir = summary["stages"], Path(summary["run_dir"])
+    for name, ref in summary.get("tracking", {}).items():
+        if ref["logged"] == NOT_SENT:
+            note = {"run": str(run_dir.relative_to(Path(runs_dir).resolve())), "target": _target(ref),
+                    "train_key": stages["train_adapter"]["key"], "reason": ref["reason"],
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flow_run": flow_run}
+            path = _pending_file(runs_dir, name, stages["export_adapter"]["key"])
+            with disk.writing("tracking (the note of an unsent result)", runs_dir, path.parent,
+                              "no note: the result stays unsent until a run of the same config"):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                disk.write_whole(path, json.dumps(note, indent=2))
+
+
+def _send_pending(name: str, runs_dir: Path, reached: Ref) -> None:
+    """The results that earlier runs could not send to the place `reached` (a backend that just took this run's),
+    sent now from their run folders; a note stays while its result is not sent (the first failure ends the round:
+    one bounded wait per run)."""
+    for path in sorted((Path(runs_dir) / PENDING).glob(f"{name}-*.json")):
+        note = json.loads(path.read_text())
+        if note["target"] != _target(reached):
+            continue  # another server: sent by a run tracked there
+        try:
+            run = _unsent_run(Path(runs_dir), note)
+        except (OSError, ValueError, KeyError) as exc:  # its folders or run.json are gone or from another version
+            logger().warning("tracking: %s: the result in %s cannot be sent any more (%s); note removed", name,
+                             note["run"], exc)
+            path.unlink()
+            continue
+        try:
+            ref = backend(name).finish(run.config.track, run, run.manifests["train_adapter"].metrics.tracking.get(name))
+        except Exception as exc:  # noqa: BLE001 - an earlier run's record must not fail this run; the note stays
+            logger().warning("tracking: %s: the result in %s was not sent: %r (the note %s stays)", name,
+                             note["run"], exc, path)
+            continue
+        if ref["logged"] == NOT_SENT:
+            return
+        logger().info("tracking: %s: sent the result of %s, unsent since %s: %s", name, note["run"], note["since"], ref)
+        path.unlink()
+
+
+def _unsent_run(runs_dir: Path, note: dict[str, Any]) -> PipelineRun:
+    """The PipelineRun of an earlier run, from its run.json and stage folders (found under this runs_dir by key)."""
+    record = json.loads((runs_dir / note["run"] / "run.json").read_text())
+    config = RunConfig.model_validate(record["config"]).model_copy(update={"runs_dir": runs_dir})
+    stages = record["stages"]
+    dirs = [runs_dir / stage / info["key"] for stage, info in stages.items()]
+    return _pipeline_run(config, dirs, {stage: info["status"] for stage, info in stages.items()}, record["metrics"],
+                         note["flow_run"])
+
+
+def _claimed(runs_dir: Path, name: str, run: PipelineRun) -> bool:
+    """Whether an earlier result of the same training waits to be sent to backend `name` (it takes the training's
+    run when it is sent: a training's run holds its first result)."""
+    train_key, own = run.manifests["train_adapter"].key, _pending_file(runs_dir, name, run.key)
+    notes = [path for path in (Path(runs_dir) / PENDING).glob(f"{name}-*.json") if path != own]
+    return any(json.loads(path.read_text()).get("train_key") == train_key for path in notes)
+
+
+def _pending_file(runs_dir: Path, name: str, key: str) -> Path:
+    return Path(runs_dir) / PENDING / f"{name}-{key}.json"
+
+
+def _target(ref: Ref) -> str:
+    """Where a backend's ref points: the MLflow tracking URI, the TensorBoard folder."""
+    return ref.get("tracking_uri") or ref.get("log_dir") or ""

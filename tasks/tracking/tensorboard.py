@@ -25,7 +25,7 @@ import yaml
 
 from tasks import disk
 from tasks.config import TrackArgs
-from tasks.tracking import PipelineRun, Ref, SweepRun
+from tasks.tracking import PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "tensorboard"
 EVENTS = "events.out.tfevents.*"
@@ -34,6 +34,13 @@ EVENTS = "events.out.tfevents.*"
 def root(track: TrackArgs, runs_dir: Path) -> Path:
     """The TensorBoard log folder: track.tensorboard_dir, else runs_dir/tensorboard."""
     return Path(track.tensorboard_dir or Path(runs_dir) / "tensorboard").expanduser().resolve()
+
+
+def check(track: TrackArgs, runs_dir: Path, roots: list[Path] | None) -> None:
+    """Before any stage: the log folder lies where the run may write (under runs_dir or data.allowed_roots, when a
+    deployment set data.allowed_roots)."""
+    confine(root(track, runs_dir), f"track.tensorboard_dir={track.tensorboard_dir}" if track.tensorboard_dir
+            else "TensorBoard's folder (runs_dir/tensorboard)", roots)
 
 
 def open_run(track: TrackArgs, runs_dir: Path, name: str, tags: dict[str, str]) -> Ref:

@@ -1,0 +1,60 @@
+"""Credentials inside a URI: find them (to refuse the URI) and mask them (in anything printed about one).
+
+A URI in the config travels far: Prefect stores it as the flow run's parameters, run.json and the manifests
+record it, MLflow gets the config as params, the log prints it. So a URI that carries a secret is refused where
+it enters (tasks/config.py TrackArgs, and the MLflow URI a run resolves from its environment), and the secret
+goes where the library reads it from the environment instead (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN).
+
+One definition serves the pydantic validator and the JSON schema that Prefect's server enforces on a
+deployment's parameters (so a URI with credentials typed into the UI form is refused before Prefect stores
+it): plain regular expressions that Python's `re` and JavaScript read alike (no flags; letters matched
+case-blind by listing both cases).
+"""
+
+from __future__ import annotations
+
+import re
+
+# A query parameter whose name holds one of these is taken for a secret (token=, api_key=, X-Amz-Signature=,
+# password=, sig=, auth=...).
+SECRET_WORDS = ("token", "secret", "password", "passwd", "pwd", "key", "auth", "sig", "credential")
+
+
+def _either_case(word: str) -> str:
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in word)
+
+
+# scheme://user[:password]@host: anything before an '@' in the authority (a user name alone may be a token)
+USERINFO = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
+# ?...&name=value where name holds a secret word
+SECRET_QUERY = r"[?&;][^=&;#]*(?:" + "|".join(map(_either_case, SECRET_WORDS)) + r")[^=&;#]*="
+# what a URI without credentials matches (JSON schema `pattern`: searched, so anchored here)
+NO_CREDENTIALS = rf"^(?!{USERINFO[1:]})(?![\s\S]*{SECRET_QUERY})"
+
+
+def found(uri: str) -> list[str]:
+    """The kinds of credentials `uri` carries, in words; [] when none."""
+    kinds = []
+    if re.search(USERINFO, uri):
+        kinds.append("a user:password@ part before the host")
+    if names := [m.group(0)[1:-1] for m in re.finditer(SECRET_QUERY, uri)]:
+        kinds.append(f"the query parameter{'s' if len(names) > 1 else ''} {', '.join(names)}")
+    return kinds
+
+
+def mask(text: str) -> str:
+    """`text` with the credentials of every URI in it replaced by ***: user:password@ and secret query values."""
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s'\"@]*@", r"\1***@", text)
+    return re.sub(rf"({SECRET_QUERY})[^&;#\s'\"]*", r"\1***", text)
+
+
+def refusal(field: str, uri: str) -> str | None:
+    """Why `uri` (from `field`) cannot be used, with the fix; None when it carries no credentials."""
+    kinds = found(uri)
+    if not kinds:
+        return None
+    return (f"{field}={mask(uri)} holds credentials ({' and '.join(kinds)}), which would be written into the run's "
+            "records, MLflow's params and Prefect's flow-run parameters. Give the URI without them and put them "
+            "in the environment of the process that runs the flow, where MLflow reads them: "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (a database store: "
+            "its driver's own, such as PGPASSWORD or ~/.pgpass)")

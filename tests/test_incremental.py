@@ -17,7 +17,7 @@ from tasks.config import EMBEDDED_DATA, PROJECT_ROOT, DataArgs, LoraArgs, ModelA
 from tasks.errors import UserError
 from tasks.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
-from tests.conftest import cli, cli_env, finish, last_json, small_overrides
+from tests.conftest import cli, cli_env, finish, last_json, settled, small_overrides
 
 LINES = EMBEDDED_DATA.read_text().splitlines(keepends=True)
 
@@ -95,6 +95,81 @@ def test_a_changed_byte_in_one_shard_recomputes_exactly_that_part(tmp_path: Path
     after = parts(runs)
     assert len(set(after) - set(before)) == 1 and all(after[k] == v for k, v in before.items())
     same_output(changed, prepare(folder, tmp_path / "fresh-runs")[0])
+
+
+def _rewrite_in_place_keeping_mtime(shard: Path) -> None:
+    """Change every response's first letter's case (same size), writing into the same inode, then put the mtime
+    back: what `cp -p` or `rsync -t --inplace` of an edited shard, or an edit followed by `touch -d`, leave."""
+    before = shard.stat()
+    rows = [json.loads(line) for line in shard.read_text().splitlines()]
+    for row in rows:
+        row["response"] = row["response"][:1].swapcase() + row["response"][1:]
+    edited = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    assert len(edited) == before.st_size
+    with shard.open("r+b") as f:
+        f.write(edited)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+
+
+def _key_in_a_new_process(source: Path, runs: Path) -> str:
+    code = ("import sys; from pathlib import Path; from tasks.config import DataArgs, ModelArgs; "
+            "from tasks.prepare_data.stage import spec; "
+            "print(spec(DataArgs(source=sys.argv[1]), ModelArgs(), Path(sys.argv[2])).key)")
+    done = subprocess.run([sys.executable, "-c", code, str(source), str(runs)], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()[-1]
+
+
+def test_a_shard_rewritten_in_place_with_its_mtime_put_back_is_tokenized_and_trained_again(
+        tmp_path: Path, stages: dict[str, Any]) -> None:
+    """Same path, size, mtime, inode and device: only ctime tells the new bytes apart. The memo of the runs_dir
+    (another process's view) and this process's both see it; the new tokens reach train.parquet, and train_adapter
+    gets a new key."""
+    from tasks.train_adapter.stage import spec as train_spec
+
+    folder = shards(tmp_path / "shards", (0, 50), (50, 100), (100, 150))
+    settled(*folder.iterdir())  # memoised by identity, as a night's old shards are
+    runs = tmp_path / "runs"
+    first, _ = prepare(folder, runs)
+    _rewrite_in_place_keeping_mtime(folder / "shard-001.jsonl")
+    assert _key_in_a_new_process(folder, runs) != first.name
+    second, metrics = prepare(folder, runs)
+    assert second != first and (metrics["parts_tokenized"], metrics["parts_reused"]) == (1, 2)
+    rows = [pq.read_table(f / "train.parquet").to_pylist() for f in (first, second)]
+    assert rows[0] != rows[1]  # the edited responses, trained (the split by content moved some too)
+    same_output(second, prepare(folder, tmp_path / "fresh-runs")[0])
+    keys = {train_spec(LoraArgs(), TrainArgs(), SpeedArgs(), runs, str(d), stages["model"]).key
+            for d in (first, second)}
+    assert len(keys) == 2
+
+
+@pytest.mark.slow
+def test_a_shard_edited_in_place_overnight_is_trained_on_by_the_next_run(tmp_path: Path) -> None:
+    """The issue's night: a shard rewritten in place with its mtime put back between two runs of the CLI (each its
+    own process, reading runs_dir's memo). Every stage that reads the data runs again, on the new bytes."""
+    folder = shards(tmp_path / "shards", (0, 120), (120, 240))
+    settled(*folder.iterdir())
+    overrides = small_overrides(folder, tmp_path / "runs", **{"train.max_steps": 2, "eval.generation_samples": 0})
+    args = ["run", "--json", *sum((["--set", o] for o in overrides), [])]
+    env = cli_env(tmp_path / "prefect")
+    summaries = []
+    for night in range(2):
+        if night:
+            _rewrite_in_place_keeping_mtime(folder / "shard-001.jsonl")
+        proc = cli(args, env, tmp_path / f"night{night}")
+        out, err = finish(proc, tmp_path / f"night{night}", timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        summaries.append(last_json(out))
+    assert {s: i["status"] for s, i in summaries[1]["stages"].items()} == {
+        "prepare_data": "computed", "prepare_model": "cached", "train_adapter": "computed",
+        "evaluate_adapter": "computed", "export_adapter": "computed"}
+    data, trained = (Path(summaries[1]["stages"][s]["dir"]) for s in ("prepare_data", "train_adapter"))
+    train_parquet = read_manifest(data).hashes["train.parquet"]
+    assert read_manifest(trained).fingerprint["train_data"] == train_parquet  # trained on the new tokens
+    assert train_parquet != read_manifest(Path(summaries[0]["stages"]["prepare_data"]["dir"])).hashes["train.parquet"]
 
 
 def test_a_damaged_part_is_tokenized_again(tmp_path: Path) -> None:

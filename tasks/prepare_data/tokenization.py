@@ -55,7 +55,9 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
                   max_len: int, chat_template: str | None, saved: Path | None = None) -> Settings:
     """Settings for this tokenizer and format; loads the tokenizer into this process too. `saved`: a file that
     keeps what transformers says of the tokenizer across processes, named by the tokenizer's content."""
-    memo = (tokenizer_dir, *sorted((p.name, p.stat().st_mtime_ns) for p in Path(tokenizer_dir).iterdir()))
+    # ctime too: a tokenizer file rewritten with its mtime put back (cp -p) is another tokenizer
+    memo = (tokenizer_dir, *sorted((p.name, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                                   for p in Path(tokenizer_dir).iterdir() for st in [p.stat()]))
     if memo not in _DESCRIBED and saved is not None and fmt != "chat" and saved.is_file():
         _DESCRIBED[memo] = json.loads(saved.read_text())
     if memo not in _DESCRIBED and (fmt == "chat" or _imports_transformers_anyway() or not _can_spawn()):

@@ -284,20 +284,21 @@ def _identity(path: Path) -> Identity:
     return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
 
 
-def _settled(before: Identity, path: Path) -> bool:
+def _settled(before: Identity, path: Path, just_written: bool = False) -> bool:
     """True when a hash read under identity `before` may be memoised: the file is as it was when the read began,
-    and its last change lies further back than one timestamp tick (_SETTLED_NS)."""
+    and its last change lies further back than one timestamp tick (_SETTLED_NS), or it is one of `just_written`
+    files, which this process finished writing and no one else writes (a stage's outputs, under its lock)."""
     try:
         after = _identity(path)
     except OSError:  # removed meanwhile: the hash stands for this read, not for the next
         return False
-    return after == before and time.time_ns() - before[3] >= _SETTLED_NS
+    return after == before and (just_written or time.time_ns() - before[3] >= _SETTLED_NS)
 
 
-def _hash_files(paths: list[Path]) -> dict[Path, str]:
+def _hash_files(paths: list[Path], just_written: bool = False) -> dict[Path, str]:
     """sha256 of each file through the process memo; the others read in parallel, one file per thread (one
     file's sha256 cannot be split), on the run's share of the host's cores. A file another thread is hashing now
-    (prefetch_sha256) is waited for, not read twice."""
+    (prefetch_sha256) is waited for, not read twice. just_written: see _settled."""
     identities = {p: _identity(p) for p in paths}
     known: dict[Identity, str] = {}
     mine: dict[Identity, tuple[Path, Future[str]]] = {}
@@ -312,16 +313,17 @@ def _hash_files(paths: list[Path]) -> dict[Path, str]:
                 _IN_FLIGHT[identity] = future = Future()
                 mine[identity] = (path, future)
     if mine:
-        _hash_now(mine)
+        _hash_now(mine, just_written)
         known.update({identity: future.result() for identity, (_, future) in mine.items()})
     wait(theirs.values())
     known.update({identity: future.result() for identity, future in theirs.items() if future.exception() is None})
     # the other thread's read failed: read them here, and raise what this read meets
     left = [p for p, i in identities.items() if i not in known]
-    return {**{p: known[i] for p, i in identities.items() if i in known}, **(_hash_files(left) if left else {})}
+    return {**{p: known[i] for p, i in identities.items() if i in known},
+            **(_hash_files(left, just_written) if left else {})}
 
 
-def _hash_now(mine: dict[Identity, tuple[Path, Future[str]]]) -> None:
+def _hash_now(mine: dict[Identity, tuple[Path, Future[str]]], just_written: bool = False) -> None:
     """Hash the files this thread took in flight, each into the memo (where it settled) and its waiters told as soon
     as it is read."""
     started, size = time.monotonic(), sum(identity[1] for identity in mine)
@@ -334,7 +336,7 @@ def _hash_now(mine: dict[Identity, tuple[Path, Future[str]]]) -> None:
         except BaseException as exc:
             _settle(identity, future, exc)
             raise
-        _settle(identity, future, digest, memoise=_settled(identity, path))
+        _settle(identity, future, digest, memoise=_settled(identity, path, just_written))
 
     try:
         if workers == 1:  # no pool to start for one file (checkpoints, registry checks, data parts)
@@ -511,14 +513,15 @@ class _HashMemo:
             return {}
         return entries if isinstance(entries, dict) else {}
 
-    def sha256_all(self, names: list[str]) -> dict[str, str]:
-        """Each file's sha256: the memo's where the file's identity is unchanged, else read (in parallel)."""
+    def sha256_all(self, names: list[str], just_written: bool = False) -> dict[str, str]:
+        """Each file's sha256: the memo's where the file's identity is unchanged, else read (in parallel);
+        just_written: see _settled."""
         identities = {name: _identity(self.folder / name) for name in names}
         checked = _content_checked([self.folder / name for name in names])
         found = {name: str(entry[5]) for name, entry in ((n, self.entries.get(n)) for n in names)
                  if isinstance(entry, list) and len(entry) == 6 and entry[:5] == list(identities[name][1:])
                  and self.folder / name not in checked}
-        read = _hash_files([self.folder / name for name in names if name not in found])
+        read = _hash_files([self.folder / name for name in names if name not in found], just_written)
         for name in set(names) - set(found):
             found[name] = read[self.folder / name]
             # memoised here only where this process memoised it: the read settled under the identity seen above
@@ -634,7 +637,7 @@ class StageRun:
         if lacking:
             raise RuntimeError(f"{self.spec.stage}: outputs lack {', '.join(lacking)}, which the stage must write")
         memo = _HashMemo(self.dir)
-        hashes = dict(sorted(memo.sha256_all(outputs).items()))
+        hashes = dict(sorted(memo.sha256_all(outputs, just_written=True).items()))
         memo.save()
         manifest = Manifest(
             stage=self.spec.stage, key=self.key, version=self.spec.version, params=self.spec.params,

@@ -108,6 +108,9 @@ class DataMetrics(_Metrics):
     # a source of several files is tokenized per file into parts reused by content (None: one file or the hub)
     parts_tokenized: int | None = None
     parts_reused: int | None = None
+    # eval examples that are training examples too (tasks/prepare_data/overlap.py): 0 by construction for a split by
+    # data.eval_fraction; None in manifests written before it was counted
+    eval_overlap: int | None = None
 
 
 class ModelMetrics(_Metrics):
@@ -592,6 +595,10 @@ class StageSpec:
     # dotted names of params that say where an input lies ("data.source"): recorded in the manifest, left out of
     # the key, whose fingerprint holds the input's content (two checkouts or mounts of the same data, one key)
     located: tuple[str, ...] = ()
+    # dotted names of params that only pass or fail the stage (a threshold), never change what it writes: left out of
+    # the key; the stage holds a reused folder to them again, and Prefect's cache key has them (tasks/caching.py), so
+    # that a changed one runs that check
+    checks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # absolute, so a folder path stored in Prefect's result cache is valid from any working directory
@@ -600,8 +607,18 @@ class StageSpec:
     @property
     def key(self) -> str:
         upstream = {name: upstream_key(folder) for name, folder in self.upstream.items()}
-        return hash_json([self.stage, self.version, _without(self.params, self.located), upstream,
+        return hash_json([self.stage, self.version, _without(self.params, self.located + self.checks), upstream,
                           self.fingerprint])[:16]
+
+    def checked(self) -> dict[str, Any]:
+        """The values of the `checks` params, by dotted name."""
+        values = {}
+        for name in self.checks:
+            node: Any = self.params
+            for part in name.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            values[name] = node
+        return values
 
     @property
     def dir(self) -> Path:

@@ -213,6 +213,14 @@ def tokenize_chunk(chunk: RawChunk) -> Tokenized:
     return out
 
 
+def detokenize(ids: list[int]) -> str:
+    """Token ids as text, by the tokenizer make_settings loaded into this process (for messages)."""
+    backend = _STATE.get("backend")
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=True)
+    return _STATE["tokenizer"].decode(ids, skip_special_tokens=True)
+
+
 def _encode(texts: list[str]) -> list[list[int]]:
     backend = _STATE["backend"]
     if backend is None:  # a slow (Python) tokenizer
@@ -255,10 +263,15 @@ def _can_spawn() -> bool:
 def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -> Iterator[Tokenized]:
     """tokenize_chunk over chunks, in order: the first POOL_AFTER_CHUNKS here, the rest in a pool of workers.
 
-    `settings` must come from make_settings in this process (it loaded the tokenizer here)."""
+    `settings` must come from make_settings in this process. tokenize_chunk reads the process's loaded settings, so
+    they are loaded again here when another source's (data.eval_source in another format) were loaded since: the
+    training rows were read with the eval set's format, and failed as bad rows of data.source."""
     chunks = iter(chunks)
     alone = workers <= 1 or not _can_spawn()
-    yield from map(tokenize_chunk, itertools.islice(chunks, None if alone else POOL_AFTER_CHUNKS))
+    for chunk in itertools.islice(chunks, None if alone else POOL_AFTER_CHUNKS):
+        if _STATE.get("settings") is not settings:  # another source's were loaded since (an eval set in another format)
+            init(settings, worker=False)
+        yield tokenize_chunk(chunk)
     rest = next(chunks, None)
     if rest is None:
         return

@@ -498,11 +498,13 @@ class _HashMemo:
     stage folder's `.hashes.json` (names relative to the folder), runs_dir's `.input-hashes.json` (absolute paths).
 
     Any write to a file moves its ctime, so its memo entry no longer applies and it is hashed again, also when its
-    size and mtime were put back. What can still fool it: bytes changed beneath the filesystem (a write to the block
-    device or a disk image, a snapshot restored under a runs_dir that outlived it with the same inodes and device),
-    a clock set back to the very nanosecond of a recorded ctime, and an NFS client's attribute cache, which can show
-    another client's change up to its actimeo seconds late (the stage's read then sees it and fails the run instead).
-    Files on filesystems without a kernel-kept ctime (_UNTRUSTED_FS) are hashed every time instead.
+    size and mtime were put back. A copied runs_dir (cp -a, rsync -a) has new inodes and ctimes: its stage folders'
+    memos no longer apply and each output is read once; a hard-linked copy (cp -al) shares the inodes, so the bytes
+    too. What can still fool it: bytes changed beneath the filesystem (a write to the block device, or to a disk
+    image that is then mounted again), a clock set back to the very nanosecond of a recorded ctime, and an NFS
+    client's attribute cache, which can show another client's change up to its actimeo seconds late (the stage's own
+    read then sees it and fails the run instead). Files on filesystems without a kernel-kept ctime (_UNTRUSTED_FS)
+    are hashed on every run instead.
     """
 
     def __init__(self, folder: Path, store: Path | None = None) -> None:

@@ -35,8 +35,10 @@ class StageCache(CachePolicy):
             spec = self.spec_fn(**inputs)
         except UserError:
             return None  # no key; the task body raises the same error, once, without a cache-key traceback
-        # runs_dir in the key: each runs_dir has its own records, pointing at its own folders
-        key = f"{spec.stage}-{spec.key}-{hash_json(str(spec.runs_dir))[:8]}"
+        # runs_dir in the key: each runs_dir has its own records, pointing at its own folders; the settings that only
+        # pass or fail the stage too, so that a changed one runs the stage, which checks its reused folder again
+        place = str(spec.runs_dir) if not spec.checks else [str(spec.runs_dir), spec.checked()]
+        key = f"{spec.stage}-{spec.key}-{hash_json(place)[:8]}"
         if read_manifest(spec.dir) is None and task_ctx.result_store.exists(key):
             return None  # Prefect remembers a folder that is gone or broken: recompute it
         return key

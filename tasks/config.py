@@ -158,6 +158,11 @@ class DataArgs(_Section):
         "more than this share of the rows is empty (a sign of a wrong column). Blank lines of text data are "
         "dropped without limit.",
     )
+    max_eval_overlap: float = Field(
+        0.1, ge=0.0, le=1.0, description="With eval_source: the share of its examples that may also be training "
+        "examples of data.source (identical after formatting) before the run fails; any overlap is a warning with the "
+        "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
+    )
     allowed_roots: list[str] | None = Field(
         None, description="If set, data.source must lie inside one of these folders (symbolic links resolved) or "
         "start with one of these URL prefixes (s3://bucket/); hub dataset ids stay allowed. Set it in "

@@ -58,6 +58,15 @@ def small_data(tmp_path: Path) -> Path:
     return path
 
 
+def settled(*paths: Path) -> None:
+    """Wait until each file's last change is old enough for its hash to be memoised (tasks/manifest.py
+    _SETTLED_NS), as the files of a nightly run usually are."""
+    from tasks.manifest import _SETTLED_NS
+
+    for path in paths:
+        time.sleep(max(0.0, (path.stat().st_ctime_ns + _SETTLED_NS - time.time_ns()) / 1e9 + 0.05))
+
+
 def small_overrides(data: Path, runs_dir: Path, **extra: Any) -> list[str]:
     """--set overrides for a run of a few seconds: small data, few steps, frequent checkpoints."""
     values = {"runs_dir": str(runs_dir), "data.source": str(data), "train.max_steps": 6,

@@ -23,6 +23,7 @@ from tasks.prepare_data.stage import spec as data_spec
 from tasks.prepare_model.stage import prefetch_fingerprint
 from tasks.prepare_model.stage import spec as model_spec
 from tasks.runtime import TOKENIZER_FILES
+from tests.conftest import settled
 
 
 def _reference_sha256(path: Path) -> str:
@@ -83,32 +84,76 @@ def test_input_hashes_are_memoised_per_identity_across_processes(tmp_path: Path,
     paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
     for path in paths:
         path.write_bytes(os.urandom(1 << 20))
+    settled(*paths)
     original = files_fingerprint(paths, runs_dir=runs)
     memo = json.loads((runs / INPUT_HASH_MEMO).read_text())
     for path in paths:
         st = path.stat()
-        assert memo[str(path.resolve())] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev,
+        assert memo[str(path.resolve())] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
                                              _reference_sha256(path)]
     # another process trusts the memo while the identity holds (no read): a wrong digest there is believed
-    wrong = {**memo, str(paths[0].resolve()): [*memo[str(paths[0].resolve())][:4], "0" * 64]}
+    wrong = {**memo, str(paths[0].resolve()): [*memo[str(paths[0].resolve())][:5], "0" * 64]}
     (runs / INPUT_HASH_MEMO).write_text(json.dumps(wrong))
     assert _fingerprint_in_a_new_process(paths, runs) != original
     (runs / INPUT_HASH_MEMO).write_text(json.dumps(memo))
     assert _fingerprint_in_a_new_process(paths, runs) == original
 
-    # edited in place: same inode, same size, an mtime in the same second (only mtime_ns tells them apart)
+    # edited in place as `cp -p` or `touch -d` leave a file: same inode, same size, the very same mtime_ns
     before = paths[0].stat()
     with paths[0].open("r+b") as f:
         f.write(b"edited")
-    second, ns = divmod(before.st_mtime_ns, 10**9)
-    os.utime(paths[0], ns=(before.st_atime_ns, second * 10**9 + (ns + 1) % 10**9))
+    os.utime(paths[0], ns=(before.st_atime_ns, before.st_mtime_ns))
     after = paths[0].stat()
-    assert (after.st_ino, after.st_size, after.st_mtime_ns // 10**9) == (before.st_ino, before.st_size, second)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     edited = _reference_fingerprint(paths)
     assert edited != original
+    assert _fingerprint_in_a_new_process(paths, runs) == edited  # the memo file: its entry's ctime no longer holds
     assert files_fingerprint(paths, runs_dir=runs) == edited  # this process: its memo is by identity too
-    assert json.loads((runs / INPUT_HASH_MEMO).read_text())[str(paths[0].resolve())][4] == _reference_sha256(paths[0])
-    assert _fingerprint_in_a_new_process(paths, runs) == edited
+    settled(paths[0])
+    files_fingerprint(paths, runs_dir=runs)
+    assert json.loads((runs / INPUT_HASH_MEMO).read_text())[str(paths[0].resolve())][5] == _reference_sha256(paths[0])
+
+
+def test_a_file_changed_just_before_its_read_is_not_memoised(tmp_path: Path, threads: None) -> None:
+    """Within one timestamp tick a write can leave ctime as it was: a file that changed that recently is hashed
+    again by the next look, in this process and in others, until it has settled."""
+    runs, path = tmp_path / "runs", tmp_path / "fresh.bin"
+    path.write_bytes(os.urandom(1 << 16))
+    assert file_sha256(path, runs) == _reference_sha256(path)
+    assert not (runs / INPUT_HASH_MEMO).exists()  # nothing memoised: the file changed less than a tick ago
+    assert not any(identity[0] == str(path.resolve()) for identity in manifest._FILE_HASH_CACHE)
+    settled(path)
+    file_sha256(path, runs)
+    assert json.loads((runs / INPUT_HASH_MEMO).read_text())[str(path.resolve())][5] == _reference_sha256(path)
+
+
+def test_files_on_a_filesystem_without_a_kept_ctime_are_hashed_on_every_run(tmp_path: Path, threads: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mount table says which filesystem holds a file; under a FUSE mount (here: this folder, as the mount table
+    of a machine where it is an rclone mount would list it) the memo file is neither read nor written."""
+    runs, data = tmp_path / "runs", tmp_path / "mnt" / "data"
+    data.mkdir(parents=True)
+    path = data / "shard.jsonl"
+    path.write_bytes(os.urandom(1 << 16))
+    settled(path)
+    digest = file_sha256(path, runs)
+    memo = json.loads((runs / INPUT_HASH_MEMO).read_text())
+    assert memo[str(path.resolve())][5] == digest  # ext4, tmpfs: memoised
+    forged = {str(path.resolve()): [*memo[str(path.resolve())][:5], "0" * 64]}
+    (runs / INPUT_HASH_MEMO).write_text(json.dumps(forged))
+    mountinfo = tmp_path / "mountinfo"
+    point = str((tmp_path / "mnt").resolve()).replace(" ", "\\040")
+    mountinfo.write_text(Path("/proc/self/mountinfo").read_text()
+                         + f"999 1 0:99 / {point} rw,nosuid - fuse.rclone remote: rw,user_id=0\n")
+    code = ("import sys; from pathlib import Path; import tasks.manifest as m; m._MOUNTINFO = Path(sys.argv[1]); "
+            "print(m.file_sha256(Path(sys.argv[2]), Path(sys.argv[3])))")
+    done = subprocess.run([sys.executable, "-c", code, str(mountinfo), str(path), str(runs)], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == _reference_sha256(path)  # read, not the memo's forged digest
+    assert json.loads((runs / INPUT_HASH_MEMO).read_text()) == forged  # and nothing written for it
+    monkeypatch.setattr(manifest, "_MOUNTINFO", mountinfo)
+    assert manifest._mount_of(str(path.resolve()), manifest._mounts()) == (str((tmp_path / "mnt").resolve()),
+                                                                          "fuse.rclone")
 
 
 def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threads: None) -> None:
@@ -119,7 +164,7 @@ def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threa
     files = [p for p in Path(config.model.base_model).iterdir() if p.is_file()]
     assert {str(p.resolve()) for p in files} <= set(memo)
     # a wrong digest in the memo is believed by a new process: proof that it read none of the files
-    forged = {name: [*entry[:4], "0" * 64] for name, entry in memo.items()}
+    forged = {name: [*entry[:5], "0" * 64] for name, entry in memo.items()}
     (tmp_path / INPUT_HASH_MEMO).write_text(json.dumps(forged))
     assert _fingerprint_in_a_new_process(files, tmp_path) == hashlib.sha256(json.dumps(
         sorted((p.name, "0" * 64) for p in files)).encode()).hexdigest()
@@ -161,6 +206,7 @@ def test_a_hash_in_flight_is_waited_for_not_read_twice(tmp_path: Path, threads: 
     paths = [tmp_path / "weights.bin", tmp_path / "config.json"]
     paths[0].write_bytes(os.urandom(3 << 20))
     paths[1].write_text("{}")
+    settled(*paths)
     reads, release = _reads(monkeypatch, hold=paths[0])
     prefetch = prefetch_sha256(paths, tmp_path / "runs")
     waiter, result = _in_thread(paths[:1], reads)
@@ -172,7 +218,7 @@ def test_a_hash_in_flight_is_waited_for_not_read_twice(tmp_path: Path, threads: 
     assert result["hashes"] == {paths[0]: _reference_sha256(paths[0])}
     assert sorted(reads) == sorted(paths)  # each file read once, by the prefetch
     memo = json.loads((tmp_path / "runs" / INPUT_HASH_MEMO).read_text())
-    assert {memo[str(p.resolve())][4] for p in paths} == {_reference_sha256(p) for p in paths}
+    assert {memo[str(p.resolve())][5] for p in paths} == {_reference_sha256(p) for p in paths}
 
 
 def test_a_failed_read_in_flight_is_read_again_by_the_waiter(tmp_path: Path, threads: None,

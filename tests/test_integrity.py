@@ -31,6 +31,7 @@ from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.checkpoints import latest_checkpoint, write_marker
 from tasks.train_adapter.stage import train_adapter
+from tests.conftest import settled
 
 LORA, TRAIN = LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=2, logging_steps=1)
 EVAL = EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=4)
@@ -107,14 +108,15 @@ def test_hashes_are_memoised_per_file_identity(built: dict[str, Any]) -> None:
     memo = json.loads((folder / HASH_MEMO).read_text())
     *identity, digest = memo["modules.json"]
     st = (folder / "modules.json").stat()
-    assert identity == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+    assert identity == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     # the memo is trusted while the identity holds (no read): a wrong digest there is believed ...
     (folder / HASH_MEMO).write_text(json.dumps({**memo, "modules.json": [*identity, "0" * 64]}))
     assert "modules.json is damaged" in check_stage(folder)[1]
     # ... and a file whose identity changed (here: its mtime) is read and hashed again
     (folder / "modules.json").touch()
+    settled(folder / "modules.json")  # else hashed, not memoised: it changed less than a timestamp tick ago
     assert check_stage(folder)[0] is not None
-    assert json.loads((folder / HASH_MEMO).read_text())["modules.json"][4] == digest
+    assert json.loads((folder / HASH_MEMO).read_text())["modules.json"][5] == digest
 
 
 def _checkpoint(root: Path, step: int) -> Path:

@@ -450,3 +450,42 @@ def test_dpo_on_two_processes_trains_equal_micro_batches(pairs: dict[str, str], 
     metrics = read_manifest(folder).metrics.model_dump()
     assert (metrics["processes"], metrics["optimizer_steps"], metrics["method"]) == (2, 2, "dpo")
     assert "micro-batches of 2 pairs on every process" in (folder / launch.LOG).read_text()
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_a_preference_training_whose_loss_goes_non_finite_stops_at_that_step(pairs: dict[str, str], tmp_path: Path,
+                                                                              method: str) -> None:
+    """TRL's trainers get the same stop as SFT (tasks/train_adapter/divergence.py): nothing of the step is kept."""
+    from tasks.errors import TrainingDiverged
+    from tasks.train_adapter.stage import train_adapter
+
+    sections = _sections([f"train.method={method}", "train.max_steps=8", "train.save_steps=2",
+                          "train.learning_rate=1e6"])
+    with pytest.raises(TrainingDiverged, match=r"^train_adapter stopped at optimizer step (\d+) of 8: the training "
+                                               r"loss there was nan") as info:
+        train_adapter.fn(*sections, tmp_path, pairs["data"], pairs["model"])
+    step = int(str(info.value).split(" step ")[1].split(" ")[0])
+    folder = next((tmp_path / "train_adapter").glob("*/"))
+    logged = [json.loads(line)["step"] for line in (folder / "loss.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, step)) and not (folder / "adapter").exists()
+    assert not (folder / "manifest.json").exists()
+
+
+def test_a_damaged_init_adapter_is_refused_before_preference_training(pairs: dict[str, str], tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tasks.train_adapter.stage import train_adapter
+
+    trained = Path(train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=1", "lora.r=4"]), tmp_path,
+                                    pairs["data"], pairs["model"])) / "adapter"
+    start = tmp_path / "copied"  # a plain folder: no recorded hashes to catch the damage before the weights are tried
+    shutil.copytree(trained, start)
+    weights = load_file(start / "adapter_model.safetensors")
+    save_file({k: v.fill_(1e28) if "layers.3.mlp.down_proj.lora_B" in k else v for k, v in weights.items()},
+              start / "adapter_model.safetensors")
+    with pytest.raises(UserError, match=rf"^train\.init_adapter='{start}' is damaged: on the first 4 training "
+                                        r"examples the base model with it predicts the same for every token"):
+        train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=2", f"train.init_adapter={start}"]),
+                         tmp_path, pairs["data"], pairs["model"])

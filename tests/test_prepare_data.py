@@ -369,10 +369,12 @@ def test_malformed_json_lines_are_listed_by_line_number(tmp_path: Path) -> None:
 
 def test_missing_columns_list_the_columns_found_and_formats_they_match(tmp_path: Path) -> None:
     records = [{"instruction": "q", "answer": "a", "text": "t"}] * 5
-    fails(tmp_path, write_jsonl(tmp_path / "d.jsonl", records), "data.format='dolly' needs column(s) response",
+    fails(tmp_path, write_jsonl(tmp_path / "d.jsonl", records), "data.format='dolly' needs column(s) response, "
+          "which data.source=",
           "Columns found: answer, instruction, text", "They would match: text", "data.column_mapping", format="dolly")
     fails(tmp_path, write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": "a"}]),
-          "Cannot tell the data's format from its columns: answer, question", "dolly: instruction, response")
+          "Cannot tell the format of data.source=", "e.jsonl' from its columns: answer, question",
+          "dolly: instruction, response")
 
 
 def test_rows_lacking_a_column_are_listed(tmp_path: Path) -> None:

@@ -56,14 +56,15 @@ RenderChat = Callable[[list[dict[str, str]], bool], str]  # (messages, add_gener
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # from JSON escapes like "\\ud800"
 
 
-def detect_format(columns: Iterable[str], requested: str) -> str:
-    """The requested format, or the first whose required columns are all present; lists all problems."""
+def detect_format(columns: Iterable[str], requested: str, where: str = "the data") -> str:
+    """The requested format, or the first whose required columns are all present; lists all problems. `where` names
+    the source the columns are from (data.source or data.eval_source, and its value)."""
     cols = set(columns)
     if requested != "auto":
         missing = [c for c in FORMATS[requested][0] if c not in cols]
         if missing:
             raise UserError(
-                f"data.format={requested!r} needs column(s) {', '.join(missing)}, which the data lacks. "
+                f"data.format={requested!r} needs column(s) {', '.join(missing)}, which {where} lacks. "
                 f"Columns found: {', '.join(sorted(cols)) or 'none'}. {_matches(cols)} Rename columns with "
                 f"data.column_mapping, e.g. {{{sorted(cols)[0] if cols else 'question'}: {missing[0]}}}."
             )
@@ -72,7 +73,7 @@ def detect_format(columns: Iterable[str], requested: str) -> str:
         if all(c in cols for c in required):
             return name
     raise UserError(
-        f"Cannot tell the data's format from its columns: {', '.join(sorted(cols)) or 'none'}. "
+        f"Cannot tell the format of {where} from its columns: {', '.join(sorted(cols)) or 'none'}. "
         + "Known formats and their columns: "
         + "; ".join(f"{n}: {', '.join(r)}" + (f" (+ optional {o})" if o else "") for n, (r, o) in FORMATS.items())
         + ". Rename columns with data.column_mapping (e.g. {question: instruction, answer: response}), "

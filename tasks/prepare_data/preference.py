@@ -12,6 +12,7 @@ prompt, a missing answer, chosen == rejected, a label that is not true/false) ar
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -23,6 +24,7 @@ import numpy as np
 
 from tasks.config import DataArgs
 from tasks.prepare_data.formats import CHAT_TEMPLATES
+from tasks.prepare_data.overlap import Overlap, preference_text
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 
 ANSWERS = {"preference": ("chosen", "rejected"), "unpaired_preference": ("completion",)}
@@ -30,9 +32,12 @@ _LABELS = {True: True, False: False, "true": True, "false": False, "1": True, "0
 
 
 def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], problems: Problems, folder: Path,
-          version: str, eval_chunks: Iterator[RawChunk] | None = None) -> dict[str, Any]:
-    """Validate, tokenize and split the rows into folder/train.parquet and eval.parquet; returns DataMetrics.
-    With eval_chunks (data.eval_source), every row of `chunks` trains and every row of eval_chunks evaluates."""
+          version: str, eval_chunks: Iterator[RawChunk] | None = None, eval_problems: Problems | None = None
+          ) -> tuple[dict[str, Any], list[str]]:
+    """Validate, tokenize and split the rows into folder/train.parquet and eval.parquet; returns DataMetrics and a
+    few eval examples that are training examples too (tasks/prepare_data/overlap.py). With eval_chunks
+    (data.eval_source), every row of `chunks` trains and every row of eval_chunks evaluates; their bad rows go to
+    eval_problems."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -48,15 +53,21 @@ def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], 
     lengths: list[int] = []
     counts = {"train": [0, 0, 0], "eval": [0, 0, 0]}  # examples, tokens, answer tokens
     render = _renderer(tokenizer, args.chat_template)
+    shared = Overlap()  # with eval_chunks: eval examples that training has too
     with pq.ParquetWriter(folder / "train.parquet", schema) as train, \
             pq.ParquetWriter(folder / "eval.parquet", schema) as evals:
         forced = None if eval_chunks is None else "train"  # None: split by content hash
-        tagged = itertools.chain(((c, forced) for c in chunks), ((c, "eval") for c in eval_chunks or ()))
-        for chunk, split_of_all in tagged:
+        # the eval set first: its hashes are what the training examples are looked up in
+        eval_bad = eval_problems if eval_problems is not None else problems
+        tagged = itertools.chain(((c, "eval", eval_bad) for c in eval_chunks or ()),
+                                 ((c, forced, problems) for c in chunks))
+        for chunk, split_of_all, bad in tagged:
             rows: dict[str, list[Any]] = {"train": [], "eval": []}
-            for where, record in decode(chunk, args.column_mapping, problems):
+            keys: dict[str, list[int]] = {"train": [], "eval": []}
+            shown: list[dict[str, Any]] = []  # the texts of the training rows, for the overlap's examples
+            for where, record in decode(chunk, args.column_mapping, bad):
                 stats["rows_in"] += 1
-                texts = _texts(record, fmt, render, problems, chunk.where, where)
+                texts = _texts(record, fmt, render, bad, chunk.where, where)
                 if texts is None:
                     continue
                 conversational = texts.pop("conversational")
@@ -64,8 +75,12 @@ def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], 
                 row = _tokenize(tokenizer, texts, answers, conversational, args.max_seq_length, stats, lengths)
                 if row is None:
                     continue
-                split = split_of_all or ("eval" if _hash(texts) < cut else "train")
+                key = _hash(texts)
+                split = split_of_all or ("eval" if key < cut else "train")
                 rows[split].append(row)
+                keys[split].append(key)
+                if split == "train":
+                    shown.append(texts)
                 answer_tokens = sum(len(row[f"{a}_ids"]) for a in answers)
                 counts[split][0] += 1
                 counts[split][1] += len(row["prompt_ids"]) * len(answers) + answer_tokens
@@ -73,7 +88,15 @@ def write(args: DataArgs, tokenizer: Any, fmt: str, chunks: Iterator[RawChunk], 
             for split, file in (("train", train), ("eval", evals)):
                 if rows[split]:
                     file.write_table(pa.Table.from_pylist(rows[split], schema=schema))
-    return _metrics(fmt, args, stats, lengths, counts)
+            if eval_chunks is not None:
+                shared.add_eval(np.array(keys["eval"], dtype=np.uint64))
+                texts_of = functools.partial(_nth_text, shown)
+                shared.match(np.array(keys["train"], dtype=np.uint64), texts_of)
+    return {**_metrics(fmt, args, stats, lengths, counts), "eval_overlap": shared.count()}, shared.examples
+
+
+def _nth_text(rows: list[dict[str, Any]], i: int) -> str:
+    return preference_text(rows[i])
 
 
 def _renderer(tokenizer: Any, chat_template: str) -> Any:

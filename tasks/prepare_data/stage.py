@@ -9,11 +9,14 @@ only; with data.pack_examples, train.parquet rows are packs with position_ids an
 and manifest.json with the row counts by reason and token-length statistics. A source of several files is
 tokenized file by file into content-keyed parts (tasks/prepare_data/parts.py) that later runs reuse, and the
 two files are assembled from them. With data.eval_source, eval.parquet is all of it and train.parquet all of
-data.source. Bad data fails with one UserError listing every problem, before any GPU work and without a manifest.
+data.source; its examples that are training examples too are counted (tasks/prepare_data/overlap.py), warned about,
+and fail the stage above data.max_eval_overlap. Bad data fails with one UserError listing every problem, before any
+GPU work and without a manifest.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Iterator
@@ -29,17 +32,18 @@ from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.limits import cpu_threads
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, StageSpec, hash_json, open_stage
-from tasks.prepare_data import parts, preference
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, hash_json, open_stage, read_manifest
+from tasks.prepare_data import overlap, parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
-from tasks.prepare_data.tokenization import Settings, Tokenized, make_settings, tokenize_all
+from tasks.prepare_data.tokenization import Settings, Tokenized, detokenize, make_settings, tokenize_all
 from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
 VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]
 # where each input lies, not what it holds: out of the key (the fingerprint has the bytes or hub commit)
 LOCATED = ("data.source", "data.eval_source", "data.allowed_roots", "tokenizer.source")
+CHECKS = ("data.max_eval_overlap",)  # passes or fails the stage, changes nothing it writes: out of the key
 
 
 def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
@@ -47,7 +51,7 @@ def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
     evals = {"eval_data": fingerprint(_eval_args(args), "data.eval_source", runs_dir)} if args.eval_source else {}
     tokenizer = model_fingerprint(model.base_model, model.revision, only=TOKENIZER_FILES, runs_dir=runs_dir)
     return StageSpec(
-        stage="prepare_data", version=VERSION, runs_dir=runs_dir, located=LOCATED,
+        stage="prepare_data", version=VERSION, runs_dir=runs_dir, located=LOCATED, checks=CHECKS,
         params={"data": args.model_dump(), "tokenizer": {"source": model.base_model, "revision": model.revision}},
         fingerprint={"data": fingerprint(args, runs_dir=runs_dir), **evals,
                      **{f"tokenizer_{k}": v for k, v in tokenizer.items()}},
@@ -59,6 +63,7 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
     """Format and tokenize the dataset into train/eval Parquet files."""
     with open_stage(spec(args, model, runs_dir)) as stage:
         if stage.done:
+            _check_reused(args, stage.dir)
             return str(stage.dir)
         train_src = _Source(args, "data.source")
         eval_src = _Source(_eval_args(args), "data.eval_source") if args.eval_source else None
@@ -69,10 +74,12 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
                             "pairs for both, or instruction/chat/text for both). Point data.eval_source at such data.")
         if fmt in PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
             tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
-            metrics = preference.write(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir, VERSION,
-                                       eval_src.raw() if eval_src else None)
+            metrics, shared = preference.write(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir,
+                                               VERSION, eval_src.raw() if eval_src else None,
+                                               eval_src.problems if eval_src else None)
             _raise_problems(train_src, eval_src)
             _check(args, fmt, metrics)
+            overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared)
             logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
             stage.finish(OUTPUTS, metrics)
             return str(stage.dir)
@@ -87,14 +94,18 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
         evals_in = eval_src.tokenized(eval_settings, report, keyed, parts_dir) if eval_src else None
         _raise_problems(train_src, eval_src)  # bad rows of files tokenized into parts, before writing
         cut = np.uint64(int(args.eval_fraction * 2**64))  # by content hash: reordering rows keeps the split
+        shared = overlap.Overlap()  # with data.eval_source: its examples that training has too
         with _Writer(stage.dir / "train.parquet", args.pack_examples, settings) as train, \
                 _Writer(stage.dir / "eval.parquet", False, settings) as evals:
+            for part in evals_in or ():  # first: the eval set's hashes are what training examples are looked up in
+                evals.write(part, np.ones(len(part.hashes), bool))
+                shared.add_eval(part.hashes)
             for part in trains:
                 train.write(part, part.hashes >= cut if evals_in is None else np.ones(len(part.hashes), bool))
                 if evals_in is None:
                     evals.write(part, part.hashes < cut)
-            for part in evals_in or ():
-                evals.write(part, np.ones(len(part.hashes), bool))
+                else:
+                    shared.match(part.hashes, functools.partial(_example_text, part))
         _raise_problems(train_src, eval_src)
         _check_snapshot(args, stage.spec.fingerprint["data"])
         if eval_src is not None:
@@ -102,11 +113,26 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
         metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
                    "chat_template": args.chat_template if fmt == "chat" else None,
                    "pack_examples": args.pack_examples, **report.metrics(train, evals),
-                   **_part_counts(train_src, eval_src)}
+                   **_part_counts(train_src, eval_src), "eval_overlap": shared.count()}
         _check(args, fmt, metrics)
+        overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared.examples)
         logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
         stage.finish(OUTPUTS, metrics)
         return str(stage.dir)
+
+
+def _check_reused(args: DataArgs, folder: Path) -> None:
+    """data.max_eval_overlap is not in the key (it changes nothing the stage writes): a reused folder is held to this
+    run's threshold by the overlap its manifest recorded."""
+    made = read_manifest(folder)
+    if made is not None and isinstance(made.metrics, DataMetrics):
+        overlap.check(args, made.metrics.eval_overlap, made.metrics.eval_examples)
+
+
+def _example_text(part: Tokenized, i: int) -> str:
+    """The i-th example of a tokenized chunk as text (for messages)."""
+    end = int(part.lengths[:i + 1].sum())
+    return detokenize(part.input_ids[end - int(part.lengths[i]):end].tolist())
 
 
 def _eval_args(args: DataArgs) -> DataArgs:
@@ -131,7 +157,7 @@ class _Source:
                     pass
             self.problems.raise_if_any(args.source, field)
             raise UserError(f"{field}={args.source!r} holds no rows. Point it at a non-empty dataset.")
-        self.fmt = detect_format(found, args.format)
+        self.fmt = detect_format(found, args.format, f"{field}={args.source!r}")
         self.files = None if is_hub(args.source) else data_files(args.source, field)
         if self.files is not None and len(self.files[1]) > 1:
             chunks.close()  # each file is read again on its own, if its part is not there yet

@@ -55,7 +55,9 @@ def make_settings(tokenizer_dir: str, fmt: str, column_mapping: dict[str, str], 
                   max_len: int, chat_template: str | None, saved: Path | None = None) -> Settings:
     """Settings for this tokenizer and format; loads the tokenizer into this process too. `saved`: a file that
     keeps what transformers says of the tokenizer across processes, named by the tokenizer's content."""
-    memo = (tokenizer_dir, *sorted((p.name, p.stat().st_mtime_ns) for p in Path(tokenizer_dir).iterdir()))
+    # ctime too: a tokenizer file rewritten with its mtime put back (cp -p) is another tokenizer
+    memo = (tokenizer_dir, *sorted((p.name, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                                   for p in Path(tokenizer_dir).iterdir() for st in [p.stat()]))
     if memo not in _DESCRIBED and saved is not None and fmt != "chat" and saved.is_file():
         _DESCRIBED[memo] = json.loads(saved.read_text())
     if memo not in _DESCRIBED and (fmt == "chat" or _imports_transformers_anyway() or not _can_spawn()):
@@ -211,6 +213,14 @@ def tokenize_chunk(chunk: RawChunk) -> Tokenized:
     return out
 
 
+def detokenize(ids: list[int]) -> str:
+    """Token ids as text, by the tokenizer make_settings loaded into this process (for messages)."""
+    backend = _STATE.get("backend")
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=True)
+    return _STATE["tokenizer"].decode(ids, skip_special_tokens=True)
+
+
 def _encode(texts: list[str]) -> list[list[int]]:
     backend = _STATE["backend"]
     if backend is None:  # a slow (Python) tokenizer
@@ -253,10 +263,15 @@ def _can_spawn() -> bool:
 def tokenize_all(chunks: Iterator[RawChunk], settings: Settings, workers: int) -> Iterator[Tokenized]:
     """tokenize_chunk over chunks, in order: the first POOL_AFTER_CHUNKS here, the rest in a pool of workers.
 
-    `settings` must come from make_settings in this process (it loaded the tokenizer here)."""
+    `settings` must come from make_settings in this process. tokenize_chunk reads the process's loaded settings, so
+    they are loaded again here when another source's (data.eval_source in another format) were loaded since: the
+    training rows were read with the eval set's format, and failed as bad rows of data.source."""
     chunks = iter(chunks)
     alone = workers <= 1 or not _can_spawn()
-    yield from map(tokenize_chunk, itertools.islice(chunks, None if alone else POOL_AFTER_CHUNKS))
+    for chunk in itertools.islice(chunks, None if alone else POOL_AFTER_CHUNKS):
+        if _STATE.get("settings") is not settings:  # another source's were loaded since (an eval set in another format)
+            init(settings, worker=False)
+        yield tokenize_chunk(chunk)
     rest = next(chunks, None)
     if rest is None:
         return

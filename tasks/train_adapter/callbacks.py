@@ -27,7 +27,8 @@ class mark_complete(TrainerCallback):  # noqa: N801
 
 
 class LossLog(TrainerCallback):
-    """Appends one JSON line per logged step; on resume, drops lines after the checkpoint's step.
+    """Appends one JSON line per logged step, the last step always among them; on resume, drops lines after the
+    checkpoint's step.
 
     Also redraws the run's loss-curve artifact: at the first logged step, then at most every PLOT_SECONDS.
     """
@@ -47,6 +48,12 @@ class LossLog(TrainerCallback):
             self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
         else:
             self.path.touch()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the Trainer logs at multiples of logging_steps only: a training shorter than that left loss.jsonl empty,
+        # and one ending between two left its last steps out
+        if state.global_step >= state.max_steps:
+            control.should_log = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs and state.is_world_process_zero:

@@ -72,7 +72,7 @@ def _fit_with_backoff(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, exampl
     import torch
 
     while True:
-        model = _peft_model(model_dir, lora, train, speed)
+        model = _peft_model(model_dir, lora, train, speed, examples)
         trainer, batches = _trainer(model, examples, train, speed, out, model_dir)
         resume = latest_checkpoint(out / "checkpoints")
         if resume is not None:
@@ -109,9 +109,12 @@ def smaller_micro_batch(train: TrainArgs, speed: SpeedArgs, batches: plan.MicroB
                                     "gradient_accumulation_steps": accum * batch // smaller}), speed
 
 
-def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedArgs) -> Any:
+def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, examples: ParquetExamples
+                ) -> Any:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
+
+    from tasks.train_adapter.divergence import CHECK_ROWS, check_init_adapter
 
     model = load_quantized(model_dir)
     if speed.upcast_frozen_to_fp32:  # checkpointing is enabled later, by plan.training_batches
@@ -123,7 +126,10 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedA
         from peft import PeftModel
 
         logger().info("train_adapter: starting from %s (its own LoRA settings)", train.init_adapter)
-        return plan.prepare_peft(PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True), speed)
+        model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
+        rows = [(examples[i]["input_ids"], examples[i]["labels"]) for i in range(min(CHECK_ROWS, len(examples)))]
+        check_init_adapter(model, rows, train.init_adapter)  # before the first optimizer step
+        return plan.prepare_peft(model, speed)
     return plan.prepare_peft(get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())), speed)
 
 
@@ -132,6 +138,7 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
+    from tasks.train_adapter.divergence import FiniteLoss, guarded
 
     compute = read_model_metrics(model_dir).compute_dtype
     settings = plan.trainer_settings(train, speed)
@@ -149,7 +156,9 @@ def _trainer(model: Any, examples: ParquetExamples, train: TrainArgs, speed: Spe
         args._n_gpu = 1
     dataset, collator, batches = plan.training_batches(model, examples, train, speed)
     logger().info("train_adapter: micro-batches %s", batches)
-    callbacks = [LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(), *tracking.trainer_callbacks(out)]
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
+    callbacks = [FiniteLoss(train, compute), LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(),
+                 *tracking.trainer_callbacks(out)]
+    trainer = guarded(Trainer)(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                               callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # it prints raw dicts to stdout; Progress logs instead
     return trainer, batches

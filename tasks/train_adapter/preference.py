@@ -108,6 +108,7 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
     from transformers import PrinterCallback
 
     from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
+    from tasks.train_adapter.divergence import FiniteLoss, check_init_adapter, guarded
     from tasks.train_adapter.fit import host_sync_free
     from tasks.train_adapter.padding_free import unpad_forward
 
@@ -123,6 +124,7 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
         logger().info("train_adapter: starting from %s (its own LoRA settings; also the reference model)",
                       train.init_adapter)
         model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
+        check_init_adapter(model, _answer_rows(dataset), train.init_adapter)  # before the first optimizer step
     else:
         peft_config = LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())
     grouped = _grouped(train, speed)
@@ -137,10 +139,10 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
                        fp16=compute == "float16", use_cpu=device() == "cpu", report_to=[], disable_tqdm=True,
                        dataloader_num_workers=0, max_length=None,  # data.max_seq_length cut already
                        remove_unused_columns=not grouped, **host_sync_free(), **settings)
-    trainer = trainer_type(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                           processing_class=_tokenizer(model_dir), peft_config=peft_config,
-                           callbacks=[LossLog(out / "loss.jsonl"), Progress(collator), mark_complete(),
-                                      *tracking.trainer_callbacks(out)])
+    trainer = guarded(trainer_type)(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, processing_class=_tokenizer(model_dir),
+        peft_config=peft_config, callbacks=[FiniteLoss(train, compute), LossLog(out / "loss.jsonl"), Progress(collator),
+                                            mark_complete(), *tracking.trainer_callbacks(out)])
     trainer.remove_callback(PrinterCallback)
     if compute == "float32":  # TRL casts the LoRA weights to bf16 (the QLoRA paper's choice for GPUs); on a CPU
         for param in trainer.model.parameters():  # computing in float32, bf16 LoRA matmuls are the slow part
@@ -153,6 +155,17 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
     logger().info("train_adapter (%s): micro-batches %s%s", train.method, batches,
                   ", padding-free" if unpadded else ", padded by TRL")
     return trainer, dataclasses.replace(batches, padding_free=unpadded)
+
+
+def _answer_rows(dataset: Any) -> list[tuple[list[int], list[int]]]:
+    """The first rows as language-model examples for check_init_adapter: the prompt, then the chosen answer (DPO)
+    or the answer (KTO), only the answer scored."""
+    from tasks.train_adapter.divergence import CHECK_ROWS
+
+    head = dataset[:CHECK_ROWS]
+    answers = head["chosen_ids"] if "chosen_ids" in head else head["completion_ids"]
+    return [(prompt + answer, [-100] * len(prompt) + answer) for prompt, answer in zip(head["prompt_ids"], answers,
+                                                                                        strict=True)]
 
 
 def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:

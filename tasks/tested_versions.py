@@ -23,10 +23,10 @@ KEY_LIBRARIES = ("prefect", "torch", "transformers", "peft", "bitsandbytes", "tr
 TRACKING_LIBRARIES = {"mlflow": "mlflow", "tensorboard": "tensorboard"}  # track.backend -> its library
 
 
-def tested_versions(path: Path = CONSTRAINTS) -> dict[str, str]:
-    """Package (canonical name) -> the version a constraints file pins with `==`; other lines are ignored."""
+def tested_versions(path: Path | None = None) -> dict[str, str]:
+    """Package (canonical name) -> the version a constraints file (constraints.txt) pins with `==`."""
     pinned = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in (path or CONSTRAINTS).read_text(encoding="utf-8").splitlines():
         try:
             requirement = Requirement(line.split("#", 1)[0].strip())
         except InvalidRequirement:  # blank lines, comments, pip options
@@ -45,8 +45,9 @@ def _public(version: str) -> str:
         return version
 
 
-def version_drift(track: TrackArgs | None = None, path: Path = CONSTRAINTS) -> list[str]:
+def version_drift(track: TrackArgs | None = None, path: Path | None = None) -> list[str]:
     """One entry per key library whose installed version is not the one the constraints file pins."""
+    path = path or CONSTRAINTS
     tested = tested_versions(path)
     names = [*KEY_LIBRARIES, *(TRACKING_LIBRARIES[b] for b in (track.backend if track else []))]
     drift = []
@@ -63,8 +64,9 @@ def version_drift(track: TrackArgs | None = None, path: Path = CONSTRAINTS) -> l
     return drift
 
 
-def warn_untested_versions(track: TrackArgs | None = None, path: Path = CONSTRAINTS) -> None:
+def warn_untested_versions(track: TrackArgs | None = None, path: Path | None = None) -> None:
     """Log one warning naming every key library whose version differs from the tested one; nothing when equal."""
+    path = path or CONSTRAINTS
     if not path.is_file():
         logger().warning("library versions not checked: no %s in %s (it comes with the checkout)", path.name,
                          path.parent)

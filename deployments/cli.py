@@ -245,8 +245,9 @@ def _config_message(exc: Exception) -> str:
         errors = exc.errors(include_url=False)
         problems = [_problem(e) for e in errors[:_SHOWN_PROBLEMS]]
         more = f"; and {len(errors) - _SHOWN_PROBLEMS:,} more" if len(errors) > _SHOWN_PROBLEMS else ""
-        return (f"Invalid configuration, {len(errors)} problem(s): " + "; ".join(problems) + more
-                + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
+        listed = "; ".join(problems) + more
+        return (f"Invalid configuration, {len(errors)} problem(s): {listed}{'' if listed.endswith('?') else '.'} "
+                "Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
     text = str(exc)
     return f"Invalid configuration: {text if len(text) <= 2000 else text[:2000] + ' ...'}."
 
@@ -256,10 +257,10 @@ def _problem(error: Any) -> str:
     from tasks.config import closest_field
 
     where = ".".join(map(str, error["loc"])) or "config"
-    if error["type"] == "extra_forbidden":
-        near = closest_field(where)
-        return f"{where} is not a RunConfig field" + (f" (did you mean {near}?)" if near else "")
-    return f"{where}: {error['msg']}" + (f" (got {_QUOTED.repr(error['input'])})" if error["type"] != "missing" else "")
+    problem = f"{where}: {error['msg']}" + (f" (got {_QUOTED.repr(error['input'])})" if error["type"] != "missing"
+                                            else "")
+    near = closest_field(where) if error["type"] == "extra_forbidden" else None
+    return problem + (f", did you mean {near}?" if near else "")
 
 
 def _run(config: Any, as_json: bool) -> int:

@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 class _Version(argparse.Action):
     """--version: computed only when asked (argparse's own version action formats its text for every command)."""
 
-    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:  # noqa: A002
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:

@@ -4,7 +4,8 @@
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
     qlora-pipeline sweep --grid GRID.yaml [--config FILE.yaml] [--preset NAME] [--set ...] [--json]
     qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
-    qlora-pipeline presets
+    qlora-pipeline presets                          # each preset's one-line description
+    qlora-pipeline --version                        # this checkout, and whether its libraries are the tested ones
     qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
     qlora-pipeline setup [--gpus N] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
@@ -36,6 +37,8 @@ _SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect AP
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qlora-pipeline", description="QLoRA fine-tuning as a Prefect flow.")
+    parser.add_argument("--version", action=_Version, help="print the version, the checkout and whether its "
+                        "libraries are the tested ones (constraints.txt), and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run the pipeline"), ("validate", "check a config and print it"),
                             ("start", "start a run of a deployment on the server (what the UI's Run does)")):
@@ -50,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "run":
             cmd.add_argument("--json", action="store_true", help="print the run summary as JSON, last line")
     _sweep_parser(sub)
-    sub.add_parser("presets", help="list the presets")
+    sub.add_parser("presets", help="list the presets, each with its one-line description")
     history = sub.add_parser("history", help="print an exports registry's versions: losses, verdicts, dates")
     history.add_argument("--export-name", default=None, help="the registry (export.name; default: the default's)")
     history.add_argument("--runs-dir", type=Path, default=None, help="runs_dir (default: the default config's)")
@@ -72,6 +75,29 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default="0 2 * * *", help="schedule (cron syntax); '' for none")
     serve.add_argument("--timezone", default="Europe/Berlin", help="time zone of the schedule")
     return parser
+
+
+class _Version(argparse.Action):
+    """--version: computed only when asked (argparse's own version action formats its text for every command)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib import metadata
+
+        from tasks.config import PROJECT_ROOT
+        from tasks.tested_versions import CONSTRAINTS, KEY_LIBRARIES, version_drift
+
+        print(f"qlora-pipeline {metadata.version('qlora-pipeline')} ({PROJECT_ROOT})")
+        libraries = ", ".join(f"{name} {metadata.version(name)}" for name in KEY_LIBRARIES)
+        if not CONSTRAINTS.is_file():
+            print(f"{libraries}; not checked: no {CONSTRAINTS}")
+        elif drift := version_drift():
+            print(f"{libraries}; differ from {CONSTRAINTS.name}: {', '.join(drift)}")
+        else:
+            print(f"{libraries}: as tested ({CONSTRAINTS.name})")
+        parser.exit()
 
 
 def _sweep_parser(sub: Any) -> None:
@@ -102,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "history":
         return _history(args.export_name, args.runs_dir)
     if args.command == "presets":
-        from tasks.config import PRESETS_DIR
-
-        for path in sorted(PRESETS_DIR.glob("*.yaml")):
-            print(f"{path.stem:24} {path}")
-        return 0
+        return _presets()
     try:
         config = _config(args)
     except Exception as exc:  # noqa: BLE001 - every config problem is the user's to fix
@@ -125,6 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         return _sweep(config, args.grid, args.json)
     return _run(config, as_json=args.json)
+
+
+def _presets() -> int:
+    """Each preset with its description (the first line of its file, a comment); where they are, how to use one."""
+    from tasks.config import PRESETS_DIR
+
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        first = path.read_text(encoding="utf-8").partition("\n")[0]
+        print(f"{path.stem:20} {first.removeprefix('#').strip() if first.startswith('#') else '(no description)'}")
+    print(f"\n(files in {PRESETS_DIR}; use one with --preset NAME, e.g. qlora-pipeline validate --preset NAME)")
+    return 0
 
 
 def _setup(args: argparse.Namespace) -> int:
@@ -219,12 +252,11 @@ def _config_message(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         # a value is quoted by a short prefix only: wrapping a 50 MB value into the paragraph took minutes
         errors = exc.errors(include_url=False)
-        problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                    + (f" (got {_QUOTED.repr(_masked(e['input']))})" if e["type"] != "missing" else "")
-                    for e in errors[:_SHOWN_PROBLEMS]]
+        problems = [_problem(e) for e in errors[:_SHOWN_PROBLEMS]]
         more = f"; and {len(errors) - _SHOWN_PROBLEMS:,} more" if len(errors) > _SHOWN_PROBLEMS else ""
-        return (f"Invalid configuration, {len(errors)} problem(s): " + "; ".join(problems) + more
-                + ". Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
+        listed = "; ".join(problems) + more
+        return (f"Invalid configuration, {len(errors)} problem(s): {listed}{'' if listed.endswith('?') else '.'} "
+                "Fix these fields in the config file or with --set SECTION.FIELD=VALUE.")
     text = str(exc)
     return f"Invalid configuration: {text if len(text) <= 2000 else text[:2000] + ' ...'}."
 
@@ -243,16 +275,28 @@ def _masked(value: Any) -> Any:
     return value
 
 
+def _problem(error: Any) -> str:
+    """One field's problem; a field that does not exist gets the nearest one (as a sweep's grid does)."""
+    from tasks.config import closest_field
+
+    where = ".".join(map(str, error["loc"])) or "config"
+    problem = f"{where}: {error['msg']}" + (f" (got {_QUOTED.repr(_masked(error['input']))})"
+                                            if error["type"] != "missing" else "")
+    near = closest_field(where) if error["type"] == "extra_forbidden" else None
+    return problem + (f", did you mean {near}?" if near else "")
+
+
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
     from tasks.limits import uses_server
-    from tasks.log import quiet_user_errors
+    from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
     _stop_on_sigterm("run it again to resume (training from its latest complete checkpoint)")
     try:
         if uses_server():
@@ -334,10 +378,11 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks import sweep
     from tasks.errors import UserError
     from tasks.limits import uses_server
-    from tasks.log import quiet_user_errors
+    from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.manifest import check_runs_dir
 
     quiet_user_errors()
+    log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
     _stop_on_sigterm("run the same sweep again to resume (finished candidates are reused)")
     try:
         grid, candidates = sweep.load_grid(grid_file)
@@ -384,7 +429,8 @@ def _print_sweep(summary: dict[str, Any]) -> None:
     print(f"{'rank':5} {'candidate':10} {'status':9} {'tuned eval loss':16} overrides")
     for c in summary["candidates"]:
         loss = c["metrics"].get("tuned_eval_loss")
-        print(f"{c['rank'] or '-'!s:5} {c['name']:10} {c['status']:9} {'n/a' if loss is None else f'{loss:.4f}':16} "
+        status = "reused" if c["status"] == "finished" and _reused(c, summary["flow_run"]) else c["status"]
+        print(f"{c['rank'] or '-'!s:5} {c['name']:10} {status:9} {'n/a' if loss is None else f'{loss:.4f}':16} "
               + ", ".join(f"{k}={json.dumps(v)}" for k, v in c["overrides"].items()))
         if c["error"]:
             print(textwrap.indent(textwrap.fill(c["error"], width=94), "      "))
@@ -395,6 +441,15 @@ def _print_sweep(summary: dict[str, Any]) -> None:
               f"{e['export_path']}")
         print(f"winner config: {summary['sweep_dir']}/winner.yaml")
     print(f"comparison: {summary['sweep_dir']}/comparison.png and sweep.json")
+
+
+def _reused(candidate: dict[str, Any], flow_run: str | None) -> bool:
+    """True when neither the candidate's training nor its evaluation was computed by this sweep's flow run."""
+    from tasks.manifest import read_manifest
+
+    folders = [candidate["adapter_dir"], candidate["eval_dir"]]
+    manifests = [read_manifest(Path(folder)) for folder in folders if folder]
+    return len(manifests) == 2 and all(m is not None and m.run_attempt != flow_run for m in manifests)
 
 
 def _user_error(message: str) -> int:

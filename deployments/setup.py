@@ -157,7 +157,39 @@ def deploy(git: str | None = None, branch: str | None = None) -> int:
                    str(prefect_file)]
         # QLORA_PIPELINE_ROOT unset: `prefect deploy` then stores the placeholder, resolved by each worker
         env = {k: v for k, v in os.environ.items() if k != ROOT_VARIABLE}
-        return subprocess.call(command, cwd=PROJECT_ROOT, env=env)
+        # Prefect's own report repeats its generic next steps (`prefect worker start ...`) for every deployment;
+        # ours says them once, with this project's commands. On a failure its whole output is the help.
+        done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stdout, end="")
+        print(done.stderr, end="", file=sys.stderr)
+        return done.returncode
+    print(_deployed(yaml.safe_load((HERE / "prefect.yaml").read_text())["deployments"]))
+    return 0
+
+
+def _deployed(specs: list[dict[str, Any]]) -> str:
+    """What `deploy` registered, read back from the server, and the next steps, once."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, WorkerFilter
+    from prefect.settings import get_current_settings
+
+    pools = sorted({spec["work_pool"]["name"] for spec in specs})
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=[spec["name"] for spec in specs])))
+        flows = {flow.id: flow.name for flow in client.read_flows()}
+        online = {pool: len(client.read_workers_for_work_pool(
+            pool, worker_filter=WorkerFilter(status={"any_": ["ONLINE"]}))) for pool in pools}
+    names = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found)
+    ui = get_current_settings().ui_url
+    lines = [f"deployed {len(names)}: {', '.join(names)}" + (f" ({ui}/deployments)" if ui else ""),
+             "start a run: qlora-pipeline start DEPLOYMENT [--set SECTION.FIELD=VALUE ...], or Run in the UI"]
+    for pool, count in online.items():
+        lines.append(f"{count} worker(s) online for work pool {pool!r}; start more with `qlora-pipeline worker`"
+                     if count else f"no worker is online for work pool {pool!r}: start one with "
+                     "`qlora-pipeline worker` in a checkout of this project on each machine that runs flow runs")
+    return "\n".join(lines)
 
 
 def worker(pool: str, extra: list[str]) -> int:

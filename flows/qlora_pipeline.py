@@ -17,6 +17,7 @@ from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
+from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
 
@@ -36,6 +37,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
             export) and speed (how training runs: levers, GPUs). Every field has a default; the defaults
             run the embedded tiny model and sample data on a CPU in a few minutes.
     """
+    warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     runs = config.runs_dir
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     tracking.check(config)  # so does a tracking server that does not answer, or a URI with a secret in it

@@ -17,6 +17,7 @@ from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
+from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
 
@@ -52,6 +53,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
             {"lora.r": [4, 8], "train.learning_rate": [0.001, 0.003]}: every combination is a candidate.
         candidates: Instead of a grid, a list of overrides, each a mapping such as {"lora.r": 8}.
     """
+    warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs

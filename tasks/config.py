@@ -7,6 +7,7 @@ BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and need
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -614,7 +615,7 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
         loaded = _parse_yaml(Path(path).read_text(), str(path))
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config sections, got {type(loaded).__name__}")
-        raw = loaded
+        raw = _unwrapped(loaded, path)
     for item in overrides or []:
         dotted, sep, value = item.partition("=")
         if not sep or not dotted:
@@ -631,6 +632,45 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     except RecursionError:
         raise ValueError(f"{path or 'the --set values'}: a value is nested too deeply to check; a config field "
                          "holds a string, a number, or a short list or mapping of them") from None
+
+
+def _unwrapped(loaded: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The config of a file that holds a deployment's parameters (`config:` above the sections, as
+    deployments/prefect.yaml writes them), or the file's mapping as it is."""
+    if "config" not in loaded:
+        return loaded
+    others = sorted(map(str, set(loaded) - {"config"}))
+    if others:
+        raise ValueError(f"{path}: `config:` holds the whole config (a deployment's parameters), so nothing else "
+                         f"belongs beside it, but the file also has {', '.join(others)}; put config fields under "
+                         "`config:`" + (", and give a sweep's grid with --grid" if "grid" in others else ""))
+    inner = loaded["config"]
+    if inner is not None and not isinstance(inner, dict):
+        raise ValueError(f"{path}: `config:` should hold a mapping of config sections, got {type(inner).__name__}")
+    return inner or {}
+
+
+# names other tools give these fields, which no spelling distance finds
+_OTHER_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "lr": "learning_rate",
+                "epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size", "steps": "max_steps"}
+
+
+def closest_field(dotted: str) -> str | None:
+    """The RunConfig field nearest in name to `dotted` (SECTION.FIELD, or a top-level field or section), or None:
+    in the section it names first, then in any section (lora.learning_rate: train.learning_rate; max_steps:
+    train.max_steps)."""
+    sections = {name: info.annotation for name, info in RunConfig.model_fields.items()
+                if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
+    section, _, name = dotted.rpartition(".")
+    name = _OTHER_NAMES.get(name, name)
+    if section in sections and (near := difflib.get_close_matches(name, sections[section].model_fields, n=1)):
+        return f"{section}.{near[0]}"
+    by_name: dict[str, str] = {} if section else {n: n for n in RunConfig.model_fields}
+    for other, model in sections.items():
+        for field in model.model_fields:
+            by_name.setdefault(field, f"{other}.{field}")
+    near = difflib.get_close_matches(name, by_name, n=1)
+    return by_name[near[0]] if near else None
 
 
 def reference_table() -> str:

@@ -33,7 +33,8 @@ holders of a global limit, so which run holds a GPU is in that run's log ("holds
 CPU share (cpu_share, cpu_threads): `qlora-cpu` is a counter, not a gate (CPU_COUNTER_SLOTS): every process that
 trains or evaluates holds one slot while it computes, so its active slots are the runs computing on this host now,
 and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share;
-without a Prefect server the 1-minute load average estimates how many runs compete.
+without a Prefect server the 1-minute load average over the cores stands for the number of runs (load 4 on 2 cores:
+2, so 1 thread each).
 """
 
 from __future__ import annotations
@@ -331,16 +332,16 @@ def cpu_share_threads(processes: int = 1, holding: bool = False) -> tuple[int, s
     `holding`: this run already holds its `qlora-cpu` slot (cpu_share), so it is among the runs counted."""
     for variable in (THREADS_VARIABLE, "OMP_NUM_THREADS"):
         if (value := os.environ.get(variable, "").strip()).isdigit() and int(value) > 0:
-            return int(value), f"{value} threads per process ({variable} is set)"
+            return int(value), f"{value} thread(s) per process ({variable} is set)"
     cores = host_cores()
-    runs, source = _runs_computing(holding)
+    runs, measured = _runs_computing(cores, holding)
     threads = max(1, cores // (runs * processes))
-    return threads, (f"{threads} thread(s) per process for {processes} process(es): {cores} cores shared by {runs} "
-                     f"run(s) ({source}; set {THREADS_VARIABLE} to choose)")
+    each = f"{threads} thread(s)" + (f" for each of {processes} processes" if processes > 1 else "")
+    return threads, f"{measured}: {each} (set {THREADS_VARIABLE} to choose)"
 
 
-def _runs_computing(holding: bool) -> tuple[int, str]:
-    """How many runs compute on this host now, this one included, and where that figure comes from."""
+def _runs_computing(cores: int, holding: bool) -> tuple[int, str]:
+    """How many runs compute on this host now, this one included, and what was measured to say so."""
     if uses_server():
         from prefect import get_client
         from prefect.exceptions import ObjectNotFound
@@ -349,11 +350,14 @@ def _runs_computing(holding: bool) -> tuple[int, str]:
             try:
                 active = client.read_global_concurrency_limit_by_name(CPU_LIMIT).active_slots
             except ObjectNotFound:
-                return 1, f"no {CPU_LIMIT!r} limit on the server: `qlora-pipeline setup` creates it"
-        return max(1, active + (0 if holding else 1)), f"active slots of the {CPU_LIMIT!r} limit"
-    # no shared server: the runs cannot see each other, only how busy the host is
+                return 1, (f"{cores} cores, other runs not counted (no {CPU_LIMIT!r} limit on the server: "
+                           "`qlora-pipeline setup` creates it)")
+        runs = max(1, active + (0 if holding else 1))
+        return runs, f"{runs} run(s) computing on {cores} cores (active slots of {CPU_LIMIT!r}, this run included)"
+    # no shared server: the runs cannot see each other, only how busy the host is; a load of twice the cores counts
+    # as two runs' worth of work, whoever makes it
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, round(load / host_cores())), f"no Prefect server: estimated from the load average {load:.1f}"
+    return max(1, round(load / cores)), f"load average {load:.1f} on {cores} cores"
 
 
 @contextmanager

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
+
+from tasks.errors import UserError
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -28,30 +31,99 @@ def current_run_attempt() -> str | None:
     return f"{run_id}:{flow_run.run_count}" if run_id else None
 
 
-class _DropUserErrorTraceback(logging.Filter):
-    """Prefect logs a failed task with its traceback; for a user error the message alone is the help."""
+# the loggers that Prefect's engines and flows write run lines to
+_PREFECT_LOGGERS = ("prefect.engine", "prefect.flows", "prefect.flow_runs", "prefect.task_runs")
+_HOOK_LINE = re.compile(r"Running hook '.*' in response to entering state|Hook '.*' finished running successfully")
+_PARAMETERS_REFUSED = "Parameter validation failed for flow "  # prefect.flows' dump of a refused config
+
+
+def _user_error(record: logging.LogRecord) -> BaseException | None:
+    """The user error a log line carries (as its exception or as an argument), or None."""
+    found = [record.exc_info[1]] if record.exc_info else []
+    found += [a for a in record.args if isinstance(a, BaseException)] if isinstance(record.args, tuple) else []
+    if not found:
+        return None
+    from prefect.exceptions import ParameterTypeError  # a flow run's parameters that the config refuses
+
+    return next((e for e in found if isinstance(e, UserError | ParameterTypeError)), None)
+
+
+def _one_line(error: BaseException) -> str:
+    """A user error as one log line; Prefect lists the fields of a refused config one per line."""
+    if not isinstance(error, UserError):
+        lines = str(error).splitlines()[1:]  # " - config.train.max_steps: Value error, 0 steps would ..."
+        fields = [line.strip(" -").replace(": Value error, ", ": ") for line in lines if line.strip()]
+        return (f"Invalid configuration: {'; '.join(fields)}. Fix these fields in the run's parameters and start "
+                "a new run (a Retry would fail the same way).")
+    return " ".join(str(error).split())
+
+
+def _quotes_a_user_error(message: str) -> bool:
+    """A failed state's line that quotes a user error ("Finished in state Failed('... UserError: ...')")."""
+    names = ("ParameterTypeError", *(cls.__name__ for cls in (UserError, *UserError.__subclasses__())))
+    return message.startswith("Finished in state Failed(") and any(f"{name}: " in message for name in names)
+
+
+class _UserErrorOnce(logging.Filter):
+    """A user error is logged once, as one line without a traceback. Prefect logs it where it is raised, again in
+    the failed state of every task and flow it passes through, and in a flow-run process once more as the engine
+    exits, each time with a traceback. The first line that carries the exception object stays, reworded to the
+    error alone; later lines carrying the same object, and the lines quoting it, go. `printed_by_caller`: that
+    line goes to the UI's run log only, not to this process's terminal (the command prints the error itself).
+    Also drops Prefect's "Running hook ..." lines unless the logger is at DEBUG."""
+
+    printed_by_caller = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from tasks.errors import UserError
+        if (error := _user_error(record)) is not None:
+            # prefect.engine's lines stay out of the UI's run log: the run's own line about the error follows
+            if getattr(error, "_logged_once", False) or record.name == "prefect.engine":
+                return False
+            error._logged_once = True  # on the object: the same error is met again as it propagates
+            record.msg, record.args, record.exc_info, record.exc_text = _one_line(error), (), None, None
+            if self.printed_by_caller:
+                record.user_error = True
+                _keep_out_of_terminal()
+            return True
+        message = record.getMessage()
+        if _HOOK_LINE.match(message):
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return not (message.startswith(_PARAMETERS_REFUSED) or _quotes_a_user_error(message))
 
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
-            record.exc_info, record.exc_text = None, None
-        return True
+
+class _NotInTerminal(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "user_error", False)
+
+
+def _keep_out_of_terminal() -> None:
+    """Filter marked lines out of the terminal's handlers as they are now: Prefect replaces its handlers when it
+    configures logging again (a run does, after the command started), so this runs as such a line passes."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for name in ("", "prefect", *_PREFECT_LOGGERS):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                    isinstance(f, _NotInTerminal) for f in handler.filters):
+                handler.addFilter(_NotInTerminal())
+
+
+def log_user_errors_once(printed_by_caller: bool = False) -> None:
+    """Install _UserErrorOnce on Prefect's run loggers (idempotent). A logger's filters outlive a reconfiguration
+    of logging, which replaces only its handlers. `printed_by_caller`: for a command that prints a user error
+    itself when the run ends (`qlora-pipeline run`, `sweep`)."""
+    for name in _PREFECT_LOGGERS:
+        target = logging.getLogger(name)
+        once = next((f for f in target.filters if isinstance(f, _UserErrorOnce)), None)
+        if once is None:
+            target.addFilter(once := _UserErrorOnce())
+        once.printed_by_caller = once.printed_by_caller or printed_by_caller
 
 
 def quiet_user_errors(*_hook_args: object, **_hook_kwargs: object) -> None:
-    """Drop the traceback from log lines about a UserError, in the terminal and in the UI's run log (idempotent).
-
-    Also a flow on_running hook, so it holds in flow-run processes that a worker starts.
-    """
-    from prefect.logging.configuration import setup_logging
-
-    if not logging.getLogger("prefect.flow_runs").handlers:  # Prefect's logging is not configured yet
-        setup_logging()
-    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _DropUserErrorTraceback) for f in handler.filters):
-                handler.addFilter(_DropUserErrorTraceback())
+    """User errors once and without traceback in the terminal and the UI's run log, and the libraries' noise
+    silenced (idempotent). Also a flow on_running hook, so it holds in flow-run processes that a worker starts."""
+    log_user_errors_once()
     quiet_libraries()
 
 
@@ -70,3 +142,8 @@ def quiet_libraries() -> None:
     ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _DropMissingKernels) for f in ops.filters):
         ops.addFilter(_DropMissingKernels())
+
+
+# At import: a worker's flow-run process checks the run's parameters, and logs a refused config, before any hook of
+# the flow runs; it has imported the flow module (and so this one) by then.
+log_user_errors_once()

@@ -75,13 +75,72 @@ def test_cli_config_errors_are_one_paragraph_with_exit_2() -> None:
     assert preset.returncode == 2 and "no preset named 'nope'; presets: dpo-embedded, embedded-default" in preset.stderr
 
 
+@pytest.mark.slow  # the CLI with a temporary server
 def test_cli_missing_data_file_is_a_user_error_without_traceback(tmp_path: Path) -> None:
     result = _cli("run", "--set", f"runs_dir={tmp_path}", "--set", "data.source=/nonexistent/data.jsonl")
     assert result.returncode == 2, result.stderr
     message = " ".join(result.stderr.split())
     assert "error: data.source='/nonexistent/data.jsonl': no such file." in message
-    assert "Traceback" not in result.stderr
+    assert message.count("/nonexistent/data.jsonl") == 1, result.stderr  # the last paragraph only, not the log too
+    assert "Traceback" not in result.stderr and "Running hook" not in result.stderr
     assert not list(tmp_path.glob("*/*/manifest.json"))  # nothing marked complete
+
+
+def test_validate_suggests_the_field_meant() -> None:
+    result = _cli("validate", "--set", "lora.rank=4", "--set", "max_steps=3", "--set", "train.lr=0.1",
+                  "--set", "lora.learning_rate=0.1", "--set", "train.colour=red")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    for wrong, value, meant in (("lora.rank", "4", "lora.r"), ("max_steps", "3", "train.max_steps"),
+                                ("train.lr", "0.1", "train.learning_rate"),
+                                ("lora.learning_rate", "0.1", "train.learning_rate")):
+        assert f"{wrong}: Extra inputs are not permitted (got {value}), did you mean {meant}?" in message, message
+    assert "train.colour: Extra inputs are not permitted (got 'red');" in message  # nothing near: no guess
+
+
+def test_presets_lists_each_preset_with_its_description() -> None:
+    result = _cli("presets")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(maxsplit=1) for line in result.stdout.splitlines()[:-2])
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and len(first) <= 120, f"{path.name}: its first line is its description"
+        assert lines[path.stem] == first[2:]
+    assert "--preset NAME" in result.stdout
+
+
+NIGHTLY = """\
+# the nightly deployment's parameters (deployments/prefect.yaml), or a --config file
+config:
+  data:
+    source: {shards}/          # a folder (or glob, or s3://bucket/prefix/) gaining a shard a night
+    eval_source: {golden} # the held-out set every night is judged on; never trained on
+"""
+
+
+def test_a_deployments_parameters_are_a_config_file(tmp_path: Path) -> None:
+    """A file with `config:` above the sections (a deployment's parameters, the README's nightly YAML) is read as
+    the config it wraps; anything beside `config:` is refused with what to do."""
+    import json
+
+    import yaml
+
+    nightly = tmp_path / "nightly.yaml"
+    nightly.write_text(NIGHTLY.format(shards=tmp_path / "shards", golden=tmp_path / "golden.jsonl"))
+    result = _cli("validate", "--config", str(nightly))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)["data"]
+    assert (data["source"], data["eval_source"]) == (f"{tmp_path / 'shards'}/", str(tmp_path / "golden.jsonl"))
+    spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
+    parameters = next(d["parameters"] for d in spec["deployments"] if d["name"] == "dpo-embedded")
+    copied = tmp_path / "dpo.yaml"
+    copied.write_text(yaml.safe_dump(parameters))  # as the deployment's parameters: {config: {...}}
+    assert load_config(copied) == RunConfig.model_validate(parameters["config"])
+    copied.write_text(yaml.safe_dump({**parameters, "grid": {"lora.r": [4, 8]}}))
+    both = _cli("validate", "--config", str(copied))
+    assert both.returncode == 2 and "Traceback" not in both.stderr
+    assert "the file also has grid; put config fields under `config:`, and give a sweep's grid with --grid" in (
+        " ".join(both.stderr.split()))
 
 
 def test_config_reference_is_current() -> None:

@@ -315,6 +315,36 @@ def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any],
         _cli(["deploy"], server["env"], cwd=PROJECT_ROOT)  # the module's other tests use the plain deployments
 
 
+def test_deploy_says_its_next_steps_once(server: dict[str, Any], tmp_path: Path) -> None:
+    """Prefect's report repeats `prefect worker start ...` for every deployment; ours names our worker, once."""
+    out = _cli(["deploy"], server["env"], cwd=tmp_path)
+    assert "deployed 5: qlora-pipeline/dpo-embedded, qlora-pipeline/embedded-default" in out, out
+    assert out.count("qlora-pipeline worker") == 1 and "prefect worker start" not in out, out
+    assert out.count("qlora-pipeline start DEPLOYMENT") == 1 and "prefect deployment run" not in out, out
+
+
+def test_a_refused_config_is_one_line_in_the_run_log(server: dict[str, Any], tmp_path: Path) -> None:
+    """A run started with a config the flow refuses fails at its parameters, before any hook or stage: its log
+    says why in one line, without Prefect's repeats and traceback."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    run = _wait(_start_run("embedded-default", {"runs_dir": str(tmp_path / "runs"), "train": {"max_steps": 0}}))
+    assert run.state.type.value == "FAILED"
+    deadline = time.time() + 30  # the log lines reach the server in batches, after the state
+    while True:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        errors = [log.message for log in logs if log.level >= 40]
+        if errors or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("Invalid configuration: config.train.max_steps: 0 steps would train nothing"), errors
+    text = "\n".join(log.message for log in logs)
+    assert "Traceback" not in text and "Engine execution exited" not in text and text.count("max_steps") == 1, text
+
+
 def _browser() -> Any:
     """Headless Debian Chromium through chromedriver, with no background network of its own."""
     from selenium import webdriver

@@ -115,6 +115,7 @@ def _sharded_adapter_rank(rank: int, folder: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned training processes
 def test_fsdp_adapter_is_gathered_whole_without_the_base(tmp_path: Path) -> None:
     """The adapter saved from FSDP2 shards equals the unsharded model's, key for key, and holds nothing else."""
     import socket

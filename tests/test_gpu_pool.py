@@ -67,6 +67,7 @@ def _wait_for(condition: Any, timeout: float = 60) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.slow  # three flows, one waits on purpose
 def test_runs_share_the_pool_on_different_gpus_and_a_third_waits(two_gpu_pool: None) -> None:
     from prefect import flow, task
     from prefect.runtime import flow_run, task_run
@@ -229,6 +230,7 @@ def test_cpu_threads_share_the_cores_and_an_explicit_count_wins(prefect_env: Pat
     monkeypatch.setattr(limits, "host_cores", lambda: 12)  # a bigger host than this one, for distinct shares
     with concurrency(CPU_LIMIT, occupy=3, lease_duration=60):  # three other runs compute now
         assert cpu_threads("test") == 3
+        assert limits.cpu_share_threads()[1].startswith("4 run(s) computing on 12 cores (active slots of 'qlora-cpu'")
         assert cpu_threads("test", holding=True) == 4  # this run is one of the three
         assert cpu_threads("test", processes=2) == 1
     assert cpu_threads("test") == 12
@@ -349,3 +351,21 @@ def test_a_server_restart_frees_the_dead_runs_slots_and_keeps_the_live_ones(tmp_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         stop_group(server)
+
+
+def test_the_cpu_share_says_what_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a server the share comes from the load average, and the line says so (not a count of runs)."""
+    from tasks import limits
+
+    monkeypatch.delenv(limits.THREADS_VARIABLE, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(limits, "uses_server", lambda: False)
+    monkeypatch.setattr(limits, "host_cores", lambda: 2)
+    monkeypatch.setattr(limits.os, "getloadavg", lambda: (76.0, 40.0, 20.0))  # a host busy with other work
+    assert limits.cpu_share_threads() == (1, "load average 76.0 on 2 cores: 1 thread(s) (set QLORA_CPU_THREADS "
+                                             "to choose)")
+    monkeypatch.setattr(limits.os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    assert limits.cpu_share_threads(processes=2) == (
+        1, "load average 0.3 on 2 cores: 1 thread(s) for each of 2 processes (set QLORA_CPU_THREADS to choose)")
+    monkeypatch.setenv(limits.THREADS_VARIABLE, "2")
+    assert limits.cpu_share_threads() == (2, "2 thread(s) per process (QLORA_CPU_THREADS is set)")

@@ -143,8 +143,11 @@ def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path)
             any_=[state.state_details.flow_run_id])))
     text = "\n".join(log.message for log in client_logs)
     assert "x_proj" in text and "Traceback" not in text, text
+    # once: not again in each failed state it passes through; and no line per hook run
+    assert text.count("x_proj") == 1 and "Running hook" not in text and "finished running" not in text, text
 
 
+@pytest.mark.slow  # waits for a held slot on purpose
 def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Another run holds the GPU slot: training logs that it waits and its task run shows "Waiting for GPU"."""
     import threading

@@ -336,6 +336,7 @@ def test_failure_card_keeps_placeholders_and_says_what_to_change(prefect_env: Pa
     assert "Retry would run the same parameters" in card
 
 
+@pytest.mark.slow  # waits on purpose
 def test_watch_waits_for_the_failure_card_and_skips_result_records(prefect_env: Path) -> None:
     import threading
 

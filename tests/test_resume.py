@@ -111,6 +111,7 @@ def test_two_concurrent_runs_train_once(small_data: Path, tmp_path: Path) -> Non
     assert len(list((tmp_path / "runs" / "train_adapter").glob("*/manifest.json"))) == 1
 
 
+@pytest.mark.slow  # trains through three attempts
 def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
     import torch

@@ -136,8 +136,9 @@ def test_cli_sweep_prints_the_ranking(first: dict[str, Any], tmp_path: Path,
     out = capsys.readouterr().out
     winner = first["summary"]["winner"]
     assert f"4 candidate(s), winner {winner}" in out and "winner published as adapter v0001" in out
-    ranked = [line.split()[:2] for line in out.splitlines() if line[:1].isdigit()]
-    assert ranked == [[str(c["rank"]), c["name"]] for c in first["summary"]["candidates"]]
+    ranked = [line.split()[:3] for line in out.splitlines() if line[:1].isdigit()]
+    # a re-run: every candidate's training and evaluation were reused, and the table says so
+    assert ranked == [[str(c["rank"]), c["name"], "reused"] for c in first["summary"]["candidates"]]
     assert main(["sweep", "--config", str(base), "--grid", str(grid), "--set", "lora.r=8", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [c["overrides"] for c in printed["candidates"]] == [c["overrides"] for c in first["summary"]["candidates"]]

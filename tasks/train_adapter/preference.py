@@ -277,7 +277,8 @@ class _PairGroups:
 def _keep_checkpoint_function(model: Any, offload: bool, recompute: int | None) -> None:
     """TRL turns checkpointing off around its no-grad reference pass and back on with transformers' default
     function, in every layer; this makes "back on" mean the pipeline's (offloaded) checkpointing again, in the
-    layers the plan recomputes, hooks untouched."""
+    layers the plan recomputes, hooks untouched. "Off" is ours too: TRL calls it by the name transformers 5
+    deprecates (gradient_checkpointing_disable), which warned on every reference pass."""
     import torch.utils.checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -292,7 +293,11 @@ def _keep_checkpoint_function(model: Any, offload: bool, recompute: int | None) 
         for index, layer in enumerate(layers):
             layer.gradient_checkpointing = recompute is None or index < recompute
 
+    def disable(*_: Any, **__: Any) -> None:
+        model._set_gradient_checkpointing(enable=False)
+
     model.gradient_checkpointing_enable = enable
+    model.gradient_checkpointing_disable = disable
 
 
 def _trl(method: str) -> tuple[type, type]:

@@ -277,23 +277,24 @@ def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
         markdown = (
             f"## qlora-pipeline run `{flow_run.name}` {verb}{during}\n\n{_escape(message)}\n\n"
             "Stages that finished keep their folders (`runs_dir/<stage>/<key>/`, each with manifest.json) and are "
-            f"reused. {_next_step(message, flow_run.id)}\n"
+            f"reused. {_next_step(message, flow_run.id, _new_run(client, flow_run, message))}\n"
         )
         client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", data=markdown,
                                               description=f"Why this run {verb}", flow_run_id=flow_run.id))
 
 
-def _next_step(message: str, flow_run_id: Any) -> str:
+def _next_step(message: str, flow_run_id: Any, new_run: str) -> str:
     """What to do now. Retry runs the same parameters again: right after a crash or once bad data is fixed in
-    place, useless for a mistake in the configuration."""
+    place, useless for a mistake in the configuration. deployments/automations.yaml gives the same advice in the
+    failure alert, told apart by the same words of the message (failure_advice)."""
     retry = (f"press **Retry** on this run (or run `prefect flow-run retry {flow_run_id}`), or start the same config "
              "again: finished stages are reused and training resumes from its latest checkpoint.")
-    new_run = ("start a new run with the field changed: **Run** on the deployment (its form), or `qlora-pipeline "
-               "start DEPLOYMENT --set SECTION.FIELD=VALUE`; Retry would run the same parameters and fail the same "
-               "way.")
-    if any(text in message for text in _CONFIG_REFUSED):
+    new_run = f"start a new run with the field changed: {new_run}; Retry would run the same parameters and fail the "\
+              "same way."
+    advice = failure_advice(message)
+    if advice == "config":
         return f"The run's configuration was refused: {new_run}"
-    if "UserError" in message:
+    if advice == "input":
         return (f"This is a mistake in the input (the message names it and the fix). If it names a config field, "
                 f"{new_run} If it names the data or another file, fix that, then {retry}")
     return f"Fix the cause if there is one (the message says what happened), then {retry}"
@@ -301,6 +302,42 @@ def _next_step(message: str, flow_run_id: Any) -> str:
 
 # Prefect's messages for parameters that do not validate against RunConfig
 _CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError")
+
+
+def failure_advice(message: str) -> str:
+    """Whether Retry can help a failed run, from its state message: "config" (the parameters were refused: it
+    cannot), "input" (a UserError: only once the data or file it names is fixed) or "retry"."""
+    if any(text in message for text in _CONFIG_REFUSED):
+        return "config"
+    return "input" if "UserError" in message else "retry"
+
+
+def _new_run(client: Any, flow_run: Any, message: str) -> str:
+    """How to start the run again with the fields the message names changed: the deployment's form and the
+    `qlora-pipeline start` command for a deployment run, the command line's own command otherwise."""
+    from prefect.utilities.urls import url_for
+
+    fields = " ".join(f"--set {name}=<new value>" for name in fields_named(message)) or "--set <field>=<new value>"
+    flow = client.read_flow(flow_run.flow_id).name
+    if flow_run.deployment_id is None:  # started by `qlora-pipeline run` or `sweep`
+        command = "run" if flow == "qlora-pipeline" else "sweep --grid GRID"
+        return f"`qlora-pipeline {command} {fields}` with the rest of the command as before"
+    deployment = client.read_deployment(flow_run.deployment_id)
+    name = deployment.name if flow == "qlora-pipeline" else f"{flow}/{deployment.name}"  # as `start` looks it up
+    link = url_for(deployment, url_type="ui")
+    form = f"[{deployment.name}]({link}/run)" if link else f"the deployment {deployment.name}"
+    return f"**Run** on {form} (its form), or `qlora-pipeline start {name} {fields}`"
+
+
+def fields_named(message: str) -> list[str]:
+    """The RunConfig fields a message names (section.field, or runs_dir), in order: pydantic's error locations
+    (`config.train.max_steps`) and our own messages (`data.source='...'`) both spell them so."""
+    from tasks.config import RunConfig
+
+    sections = {name: info.annotation for name, info in RunConfig.model_fields.items() if name != "runs_dir"}
+    known = {"runs_dir", *(f"{section}.{name}" for section, model in sections.items() for name in model.model_fields)}
+    found = re.findall(r"(?<![\w.])(?:config\.)?([a-z]+(?:\.[a-z0-9_]+|_dir))\b", message)
+    return list(dict.fromkeys(name for name in found if name in known))
 
 
 def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import sweep, tracking
@@ -58,13 +58,12 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    with sweep.training_runner() as runner:
-        # unmapped: a pydantic section is iterable, and would be mapped over its fields
-        trained = runner.map(train_adapter, {
-            "lora": plan.sections("lora"), "train": plan.sections("train"), "speed": plan.sections("speed"),
-            "runs_dir": unmapped(runs), "data_dir": unmapped(data_dir), "model_dir": unmapped(model_dir),
-            "track": unmapped(track)})
-        evaluated = sweep.then(trained, partial(evaluate_adapter.submit, config.eval, runs, data_dir, model_dir))
+    with sweep.training_runner() as runner:  # each candidate's task runs named for it (sweep.named)
+        trained = [runner.submit(sweep.named(train_adapter, c), {**c.sections(), "runs_dir": runs, "data_dir": data_dir,
+                                                                 "model_dir": model_dir, "track": track})
+                   for c in plan.candidates]
+        evaluated = sweep.then(trained, [partial(sweep.named(evaluate_adapter, c).submit, config.eval, runs, data_dir,
+                                                 model_dir) for c in plan.candidates])
         ranking = sweep.rank(plan, trained, evaluated, data_dir, track)
     best = ranking.winner
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir)

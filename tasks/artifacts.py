@@ -19,6 +19,21 @@ def _in_run() -> bool:
     return current_run_attempt() is not None
 
 
+def candidate_run_name(stage: str, name: str, label: str) -> str:
+    """The task run name of a sweep candidate's stage (the UI lists it); its artifacts are keyed from it."""
+    return f"{stage}-{name} ({label})"
+
+
+def for_candidate(key: str, description: str) -> tuple[str, str]:
+    """An artifact's key and description, with the sweep candidate's name and overrides when the current task run
+    is a candidate's (candidate_run_name): the candidates of a sweep share one flow run, and shared keys made
+    every candidate's training update the first one's progress bar and loss curve."""
+    from prefect.runtime import task_run
+
+    found = re.fullmatch(r"\w+-(c\d+) \((.*)\)", task_run.name or "", flags=re.DOTALL)
+    return (key, description) if found is None else (f"{key}-{found[1]}", f"{found[1]} ({found[2]}): {description}")
+
+
 def stage_summary(manifest: dict[str, Any]) -> None:
     """A markdown artifact per computed stage: what it read, what it wrote, how long it took."""
     if not _in_run():
@@ -35,8 +50,9 @@ def stage_summary(manifest: dict[str, Any]) -> None:
         f"### Wrote\n| file | bytes |\n|---|---|\n{written}\n"
         + (f"### Metrics\n| metric | value |\n|---|---|\n{metrics}" if metrics else "")
     )
-    create_markdown_artifact(markdown=markdown, key=manifest["stage"].replace("_", "-"),
-                             description=f"{manifest['stage']}: inputs, outputs, timing")
+    key, description = for_candidate(manifest["stage"].replace("_", "-"), f"{manifest['stage']}: inputs, outputs, "
+                                     "timing")
+    create_markdown_artifact(markdown=markdown, key=key, description=description)
 
 
 def _took(manifest: dict[str, Any]) -> str:
@@ -67,7 +83,19 @@ def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
     from prefect.artifacts import create_table_artifact
 
     cells = [{k: _cell(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
+    key, description = for_candidate(key, description)
     create_table_artifact(table=cells, key=key, description=description)
+
+
+def eval_samples(rows: list[dict[str, Any]], description: str) -> None:
+    """The eval-samples table: the answers first (tuned, base, champion), then the reference, the scores and the
+    prompt last, under names a reader knows; the prompt column held the answers off-screen when it came first."""
+    models = ("tuned", "base", "champion")
+    columns = {**{f"{who}_output": f"{who} answer" for who in models}, "reference": "reference answer",
+               **{f"{who}_rouge_l": f"{who} ROUGE-L" for who in models},
+               **{f"{who}_exact_match": f"{who} exact match" for who in models}, "prompt": "prompt"}
+    shown = [{label: row[name] for name, label in columns.items() if name in row} for row in rows]
+    table("eval-samples", shown, description)
 
 
 CELL_CHARS = 300  # the UI's table does not wrap long cells; whole samples are in the stage folder's files
@@ -89,7 +117,7 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _upsert(key: str, kind: str, data: Any, description: str, flow_run_id: Any = None) -> Any:
+def _upsert(key: str, description: str, kind: str, data: Any, flow_run_id: Any = None) -> Any:
     """Update this flow run's artifact under `key` (a retry finds the earlier attempt's), else create it; its id.
 
     One artifact per key and run, updated in place, so a retried run has one progress bar, not a frozen one
@@ -127,8 +155,9 @@ class TrainingProgress:
         from prefect.client.schemas.actions import ArtifactUpdate
 
         percent = min(100.0, 100.0 * step / total)
+        key, text = for_candidate("train-progress", text)
         if self.artifact_id is None:
-            self.artifact_id = _upsert("train-progress", "progress", percent, text)
+            self.artifact_id = _upsert(key, text, "progress", percent)
             return
         with get_client(sync_client=True) as client:
             client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent, description=text))
@@ -153,7 +182,31 @@ def run_completed(train_status: str, steps: int | None) -> None:
                 data=f"## Resolved: the run completed on a later attempt\n\nThe earlier attempt's card:\n\n{card.data}",
                 description="Resolved: the run completed after a retry"))
     if train_status == "cached" and not any(a.key == "train-progress" for a in found):
-        _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
+        _upsert("train-progress", f"cached: trained by an earlier run ({steps} optimizer steps)", "progress", 100.0)
+
+
+_VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry.py gate)
+
+
+def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> Any:
+    """The run's final state: Completed with the registry's verdict as its message (on the run's page) and as a
+    tag (in the runs list), so the result is seen without opening an artifact; `summary` is the flow's result.
+    `who`: whose verdict it is, for a sweep its winner."""
+    from prefect.states import Completed
+
+    if "promotion" not in metrics:
+        return Completed(data=summary)
+    message = (f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
+               f"{metrics['promotion_reason']}" + (" (published by an earlier run; nothing was recomputed)" if
+                                                   metrics.get("export_published") == "by an earlier run" else ""))
+    if _in_run():
+        from prefect import get_client
+        from prefect.runtime import flow_run
+
+        with get_client(sync_client=True) as client:  # a Retry's verdict replaces the attempt's before
+            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in _VERDICTS]
+            client.update_flow_run(flow_run.id, tags=[*kept, metrics["promotion"]])
+    return Completed(message=message, data=summary)
 
 
 def figure(columns: int = 1, size: tuple[float, float] = (6, 3.5)) -> tuple[Any, Any]:
@@ -211,7 +264,7 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
         markdown = (f"## {title}\n\n{inline_png(image, 'training loss')}"
                     f"\n\nStep {last['step']}: loss {last['loss']:.4f} ({len(entries)} logged steps)."
                     + (f" PNG on the worker: `{png}`\n" if png is not None else "\n"))
-        _upsert("loss-curve", "markdown", markdown, f"{title} (step {last['step']})")
+        _upsert(*for_candidate("loss-curve", f"{title} (step {last['step']})"), "markdown", markdown)
     return image
 
 def history_markdown(rows: list[dict[str, Any]]) -> str:
@@ -351,6 +404,6 @@ def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:
         if run.state is None or run.state.is_final():
             continue
         if run.state.is_running():
-            running.append(run.name.rsplit("-", 1)[0])
+            running.append(run.name.split("-", 1)[0])  # "train_adapter-a1f", or a candidate's "train_adapter-c2 (...)"
         client.set_task_run_state(run.id, Crashed(message=f"The flow run crashed: {message}"), force=True)
     return running

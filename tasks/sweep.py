@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tasks import disk, registry, tracking
+from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
@@ -55,6 +55,10 @@ class Candidate:
     def label(self) -> str:
         return _label(self.overrides)
 
+    def sections(self) -> dict[str, Any]:
+        """Its train_adapter sections (lora, train, speed): the only ones in which candidates differ."""
+        return {name: getattr(self.config, name) for name in SWEPT_SECTIONS}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -67,10 +71,6 @@ class Plan:
     @property
     def dir(self) -> Path:
         return Path(self.base.runs_dir).expanduser().resolve() / "sweeps" / self.key
-
-    def sections(self, name: str) -> list[Any]:
-        """Each candidate's config section `name` (lora, train or speed), in candidate order: a mapped input."""
-        return [getattr(c.config, name) for c in self.candidates]
 
 
 @dataclass
@@ -263,9 +263,17 @@ def training_runner() -> Iterator[Any]:
         yield runner
 
 
-def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
-    """Submit the next stage for each future as soon as it completes (its result passed as the future, so the UI
-    shows the dependency); None in place of a future that did not complete: that candidate failed alone."""
+def named(task: Any, candidate: Candidate) -> Any:
+    """`task` (a stage) for this candidate: its task runs named for the candidate in the UI, "train_adapter-c2
+    (lora.r=8)", and its artifacts keyed by it (artifacts.for_candidate)."""
+    name = artifacts.candidate_run_name(task.name, candidate.name, _show(candidate.label))
+    return task.with_options(task_run_name=lambda: name)  # a callable: a string would be formatted with the inputs
+
+
+def then(futures: list[Any], submits: list[Callable[[Any], Any]]) -> list[Any]:
+    """Submit the next stage for each future as soon as it completes, with `submits` in the futures' order (its
+    result passed as the future, so the UI shows the dependency); None in place of a future that did not
+    complete: that candidate failed alone."""
     from prefect.futures import as_completed
 
     futures = list(futures)
@@ -274,7 +282,7 @@ def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
     for future in as_completed(futures):
         future.wait()  # sets the future's own final state; .state would otherwise ask the server, which may lag
         if future.state.is_completed():
-            nexts[position[id(future)]] = submit(future)
+            nexts[position[id(future)]] = submits[position[id(future)]](future)
     return nexts
 
 
@@ -347,8 +355,9 @@ def _own(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not k.startswith("champion_")}
 
 
-def report(ranking: Ranking, run_summary: dict[str, Any]) -> dict[str, Any]:
-    """Write winner.yaml and sweep.json (with the published version), the winner artifact; the sweep summary.
+def report(ranking: Ranking, run_summary: dict[str, Any]) -> Any:
+    """Write winner.yaml and sweep.json (with the published version), the winner artifact; the sweep summary, as
+    the flow run's Completed state whose message is the verdict (artifacts.verdict).
 
     Raises after everything is written and published when a candidate failed (the flow's docstring says why).
     """
@@ -367,7 +376,8 @@ def report(ranking: Ranking, run_summary: dict[str, Any]) -> dict[str, Any]:
     if ranking.failed:
         raise _failure(ranking, ranking.failed, f"the winner {winner.candidate.name} was published as "
                        f"{export['export_name']} {export['export_version']} ({export['promotion']})")
-    return summary
+    return artifacts.verdict(summary, run_summary["metrics"], f"winner {winner.candidate.name} "
+                             f"({winner.candidate.label}) of {len(ranking.outcomes)}: ")
 
 
 def _failure(ranking: Ranking, failed: list[Outcome], done: str) -> Exception:

@@ -20,14 +20,14 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, WithJsonSchema
 
 from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
@@ -38,6 +38,10 @@ from tasks.log import current_run_attempt, logger
 from tasks.manifest import hash_json, read_manifest
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
+# The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
+# is); `list | None` showed a type toggle whose preselected None side reads 'Property is type "None"'.
+CandidateList = Annotated[Sequence[dict[str, Any]] | None,
+                          WithJsonSchema({"type": "array", "items": {"type": "object"}})]
 MAX_CANDIDATES = 256  # a typo in a grid (a long list, one key too many) should not queue a month of training
 # no candidate can lose to this: a candidate that does not beat it has no usable metric (a NaN loss)
 _WORST = {"tuned_eval_loss": math.inf, "tuned_reward_accuracy": -math.inf}

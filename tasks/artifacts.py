@@ -117,7 +117,7 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _upsert(key: str, description: str, kind: str, data: Any, flow_run_id: Any = None) -> Any:
+def _upsert(key: str, kind: str, data: Any, description: str, flow_run_id: Any = None) -> Any:
     """Update this flow run's artifact under `key` (a retry finds the earlier attempt's), else create it; its id.
 
     One artifact per key and run, updated in place, so a retried run has one progress bar, not a frozen one
@@ -157,7 +157,7 @@ class TrainingProgress:
         percent = min(100.0, 100.0 * step / total)
         key, text = for_candidate("train-progress", text)
         if self.artifact_id is None:
-            self.artifact_id = _upsert(key, text, "progress", percent)
+            self.artifact_id = _upsert(key, "progress", percent, text)
             return
         with get_client(sync_client=True) as client:
             client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent, description=text))
@@ -182,7 +182,7 @@ def run_completed(train_status: str, steps: int | None) -> None:
                 data=f"## Resolved: the run completed on a later attempt\n\nThe earlier attempt's card:\n\n{card.data}",
                 description="Resolved: the run completed after a retry"))
     if train_status == "cached" and not any(a.key == "train-progress" for a in found):
-        _upsert("train-progress", f"cached: trained by an earlier run ({steps} optimizer steps)", "progress", 100.0)
+        _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
 
 
 _VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry.py gate)
@@ -264,7 +264,8 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
         markdown = (f"## {title}\n\n{inline_png(image, 'training loss')}"
                     f"\n\nStep {last['step']}: loss {last['loss']:.4f} ({len(entries)} logged steps)."
                     + (f" PNG on the worker: `{png}`\n" if png is not None else "\n"))
-        _upsert(*for_candidate("loss-curve", f"{title} (step {last['step']})"), "markdown", markdown)
+        key, description = for_candidate("loss-curve", f"{title} (step {last['step']})")
+        _upsert(key, "markdown", markdown, description)
     return image
 
 def history_markdown(rows: list[dict[str, Any]]) -> str:

@@ -120,7 +120,8 @@ AutoBool = automatic(bool, (True, False))
 
 
 def _tree(fields: dict[str, dict[str, Any]], required: bool) -> dict[str, Any]:
-    """JSON schema that dotted field names ("train.method") match their schemas, each required when asked."""
+    """A JSON schema under which each dotted field ("train.method") matches its own schema; with `required`, the
+    field (and its section) must also be present."""
     tree: dict[str, Any] = {}
     for dotted, leaf in fields.items():
         node = tree
@@ -147,8 +148,10 @@ def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
     An empty input is left out of the parameters, so the field's default (None) applies; the null default is
     dropped from the schema too, so Prefect's parameter validation still accepts an explicit null (it allows
     null for an optional property without a default). A field of `automatic` type gets "auto" as its default.
-    A `const` (a one-value Literal such as 'all-linear') becomes a one-value enum: the form showed "is a const
-    and cannot be changed" until the type was switched.
+    A union whose branches carry their own defaults loses the field's: the V2 form starts a branch picked in its
+    tab at that branch's default, and the V1 form lays the field's default over every branch. A `const` (a
+    one-value Literal such as 'all-linear') becomes a one-value enum: the form showed "is a const and cannot be
+    changed" until the type was switched. The model's FORM_RULES (rules between fields) go to `allOf`.
     """
     _show_factory_defaults(schema, model)
     if getattr(model, "FORM_RULES", None):
@@ -161,8 +164,8 @@ def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
             prop.update({k: v for k, v in kept[0].items() if k not in prop})
             if prop.get("default", 0) is None:
                 del prop["default"]
-        if all("default" in b for b in prop.get("anyOf", [{}])):
-            del prop["default"]
+        if all("default" in b for b in prop.get("anyOf", [{}])):  # each branch starts at its own (num_gpus)
+            prop.pop("default", None)
         if "auto" in prop.get("enum", ()) and prop.get("default", 0) is None:
             prop["default"] = "auto"
         for part in [prop, *prop.get("anyOf", [])]:

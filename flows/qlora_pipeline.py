@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks import tracking
-from tasks.artifacts import failure_summary
+from tasks.artifacts import failure_summary, verdict
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
@@ -47,4 +47,5 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir, config.export.name)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
-    return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])
+    summary = record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])
+    return verdict(summary, summary["metrics"])  # the registry's verdict as the run's final state message and tag

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow
 
 from tasks import sweep, tracking
 from tasks.artifacts import failure_summary
@@ -29,17 +29,17 @@ from tasks.train_adapter.stage import train_adapter
       on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
       on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
-                grid: dict[str, list[Any]] | None = None, candidates: list[dict[str, Any]] | None = None
-                ) -> dict[str, Any]:
+                grid: dict[str, list[Any]] | None = None, candidates: sweep.CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
-    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are mapped task runs,
-    cached by content like any run's, so a re-run reuses every finished candidate. Candidates train at once, one
-    per free GPU, where the GPU pool has several GPUs, and one at a time without one; evaluations go one at a
-    time. With track.backend set, the sweep has a tracked run of its own (MLflow: a parent run, with every
-    candidate's training as a child run) that gets the ranking, the winner and the comparison plot. The ranking
-    is the promotion gate's rule; the winner goes through export_adapter and the registry's gate as any run does.
-    Artifacts: sweep-comparison (table and plot), sweep-winner (its config).
+    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for
+    it ("train_adapter-c2 (lora.r=8)"), cached by content like any run's, so a re-run reuses every finished
+    candidate. Candidates train at once, one per free GPU, where the GPU pool has several GPUs, and one at a time
+    without one; evaluations go one at a time. With track.backend set, the sweep has a tracked run of its own
+    (MLflow: a parent run, with every candidate's training as a child run) that gets the ranking, the winner and the
+    comparison plot. The ranking is the promotion gate's rule; the winner goes through export_adapter and the
+    registry's gate as any run does, and its verdict is the sweep run's final state message. Artifacts:
+    sweep-comparison (table and plot), sweep-winner (its config), and each candidate's own, named for it.
 
     A failed candidate fails alone: its task run is Failed, the others go on, and the best of those that finished
     is ranked and published. The sweep itself then ends Failed, after publishing, with the failed candidates in
@@ -61,13 +61,12 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    with sweep.training_runner() as runner:
-        # unmapped: a pydantic section is iterable, and would be mapped over its fields
-        trained = runner.map(train_adapter, {
-            "lora": plan.sections("lora"), "train": plan.sections("train"), "speed": plan.sections("speed"),
-            "runs_dir": unmapped(runs), "data_dir": unmapped(data_dir), "model_dir": unmapped(model_dir),
-            "track": unmapped(track)})
-        evaluated = sweep.then(trained, partial(evaluate_adapter.submit, config.eval, runs, data_dir, model_dir))
+    with sweep.training_runner() as runner:  # each candidate's task runs named for it (sweep.named)
+        trained = [runner.submit(sweep.named(train_adapter, c), {**c.sections(), "runs_dir": runs, "data_dir": data_dir,
+                                                                 "model_dir": model_dir, "track": track})
+                   for c in plan.candidates]
+        evaluated = sweep.then(trained, [partial(sweep.named(evaluate_adapter, c).submit, config.eval, runs, data_dir,
+                                                 model_dir) for c in plan.candidates])
         ranking = sweep.rank(plan, trained, evaluated, data_dir, track)
     best = ranking.winner
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir)

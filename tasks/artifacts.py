@@ -19,6 +19,21 @@ def _in_run() -> bool:
     return current_run_attempt() is not None
 
 
+def candidate_run_name(stage: str, name: str, label: str) -> str:
+    """The task run name of a sweep candidate's stage (the UI lists it); its artifacts are keyed from it."""
+    return f"{stage}-{name} ({label})"
+
+
+def for_candidate(key: str, description: str) -> tuple[str, str]:
+    """An artifact's key and description, with the sweep candidate's name and overrides when the current task run
+    is a candidate's (candidate_run_name): the candidates of a sweep share one flow run, and shared keys made
+    every candidate's training update the first one's progress bar and loss curve."""
+    from prefect.runtime import task_run
+
+    found = re.fullmatch(r"\w+-(c\d+) \((.*)\)", task_run.name or "", flags=re.DOTALL)
+    return (key, description) if found is None else (f"{key}-{found[1]}", f"{found[1]} ({found[2]}): {description}")
+
+
 def stage_summary(manifest: dict[str, Any]) -> None:
     """A markdown artifact per computed stage: what it read, what it wrote, how long it took."""
     if not _in_run():
@@ -35,8 +50,9 @@ def stage_summary(manifest: dict[str, Any]) -> None:
         f"### Wrote\n| file | bytes |\n|---|---|\n{written}\n"
         + (f"### Metrics\n| metric | value |\n|---|---|\n{metrics}" if metrics else "")
     )
-    create_markdown_artifact(markdown=markdown, key=manifest["stage"].replace("_", "-"),
-                             description=f"{manifest['stage']}: inputs, outputs, timing")
+    key, description = for_candidate(manifest["stage"].replace("_", "-"), f"{manifest['stage']}: inputs, outputs, "
+                                     "timing")
+    create_markdown_artifact(markdown=markdown, key=key, description=description)
 
 
 def _took(manifest: dict[str, Any]) -> str:
@@ -67,7 +83,19 @@ def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
     from prefect.artifacts import create_table_artifact
 
     cells = [{k: _cell(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
+    key, description = for_candidate(key, description)
     create_table_artifact(table=cells, key=key, description=description)
+
+
+def eval_samples(rows: list[dict[str, Any]], description: str) -> None:
+    """The eval-samples table: the answers first (tuned, base, champion), then the reference, the scores and the
+    prompt last, under names a reader knows; the prompt column held the answers off-screen when it came first."""
+    models = ("tuned", "base", "champion")
+    columns = {**{f"{who}_output": f"{who} answer" for who in models}, "reference": "reference answer",
+               **{f"{who}_rouge_l": f"{who} ROUGE-L" for who in models},
+               **{f"{who}_exact_match": f"{who} exact match" for who in models}, "prompt": "prompt"}
+    shown = [{label: row[name] for name, label in columns.items() if name in row} for row in rows]
+    table("eval-samples", shown, description)
 
 
 CELL_CHARS = 300  # the UI's table does not wrap long cells; whole samples are in the stage folder's files
@@ -127,8 +155,9 @@ class TrainingProgress:
         from prefect.client.schemas.actions import ArtifactUpdate
 
         percent = min(100.0, 100.0 * step / total)
+        key, text = for_candidate("train-progress", text)
         if self.artifact_id is None:
-            self.artifact_id = _upsert("train-progress", "progress", percent, text)
+            self.artifact_id = _upsert(key, "progress", percent, text)
             return
         with get_client(sync_client=True) as client:
             client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent, description=text))
@@ -155,6 +184,30 @@ def run_completed(train_status: str, steps: int | None) -> None:
                 description="Resolved: the run completed after a retry"))
     if train_status == "cached" and not any(a.key == "train-progress" for a in found):
         _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
+
+
+_VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry.py gate)
+
+
+def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> Any:
+    """The run's final state: Completed with the registry's verdict as its message (on the run's page) and as a
+    tag (in the runs list), so the result is seen without opening an artifact; `summary` is the flow's result.
+    `who`: whose verdict it is, for a sweep its winner."""
+    from prefect.states import Completed
+
+    if "promotion" not in metrics:
+        return Completed(data=summary)
+    message = (f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
+               f"{metrics['promotion_reason']}" + (" (published by an earlier run; nothing was recomputed)" if
+                                                   metrics.get("export_published") == "by an earlier run" else ""))
+    if _in_run():
+        from prefect import get_client
+        from prefect.runtime import flow_run
+
+        with get_client(sync_client=True) as client:  # a Retry's verdict replaces the attempt's before
+            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in _VERDICTS]
+            client.update_flow_run(flow_run.id, tags=[*kept, metrics["promotion"]])
+    return Completed(message=message, data=summary)
 
 
 def figure(columns: int = 1, size: tuple[float, float] = (6, 3.5)) -> tuple[Any, Any]:
@@ -212,7 +265,8 @@ def loss_curve(loss_jsonl: Path, png: Path | None = None, title: str = "Training
         markdown = (f"## {title}\n\n{inline_png(image, 'training loss')}"
                     f"\n\nStep {last['step']}: loss {last['loss']:.4f} ({len(entries)} logged steps)."
                     + (f" PNG on the worker: `{png}`\n" if png is not None else "\n"))
-        _upsert("loss-curve", "markdown", markdown, f"{title} (step {last['step']})")
+        key, description = for_candidate("loss-curve", f"{title} (step {last['step']})")
+        _upsert(key, "markdown", markdown, description)
     return image
 
 def history_markdown(rows: list[dict[str, Any]]) -> str:
@@ -278,23 +332,24 @@ def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
         markdown = (
             f"## qlora-pipeline run `{flow_run.name}` {verb}{during}\n\n{_escape(message)}\n\n"
             "Stages that finished keep their folders (`runs_dir/<stage>/<key>/`, each with manifest.json) and are "
-            f"reused. {_next_step(message, flow_run.id)}\n"
+            f"reused. {_next_step(message, flow_run.id, _new_run(client, flow_run, message))}\n"
         )
         client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", data=markdown,
                                               description=f"Why this run {verb}", flow_run_id=flow_run.id))
 
 
-def _next_step(message: str, flow_run_id: Any) -> str:
+def _next_step(message: str, flow_run_id: Any, new_run: str) -> str:
     """What to do now. Retry runs the same parameters again: right after a crash or once bad data is fixed in
-    place, useless for a mistake in the configuration."""
+    place, useless for a mistake in the configuration. deployments/automations.yaml gives the same advice in the
+    failure alert, told apart by the same words of the message (failure_advice)."""
     retry = (f"press **Retry** on this run (or run `prefect flow-run retry {flow_run_id}`), or start the same config "
              "again: finished stages are reused and training resumes from its latest checkpoint.")
-    new_run = ("start a new run with the field changed: **Run** on the deployment (its form), or `qlora-pipeline "
-               "start DEPLOYMENT --set SECTION.FIELD=VALUE`; Retry would run the same parameters and fail the same "
-               "way.")
-    if any(text in message for text in _CONFIG_REFUSED):
+    new_run = f"start a new run with the field changed: {new_run}; Retry would run the same parameters and fail the "\
+              "same way."
+    advice = failure_advice(message)
+    if advice == "config":
         return f"The run's configuration was refused: {new_run}"
-    if "UserError" in message:
+    if advice == "input":
         return (f"This is a mistake in the input (the message names it and the fix). If it names a config field, "
                 f"{new_run} If it names the data or another file, fix that, then {retry}")
     return f"Fix the cause if there is one (the message says what happened), then {retry}"
@@ -302,6 +357,42 @@ def _next_step(message: str, flow_run_id: Any) -> str:
 
 # Prefect's messages for parameters that do not validate against RunConfig
 _CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError")
+
+
+def failure_advice(message: str) -> str:
+    """Whether Retry can help a failed run, from its state message: "config" (the parameters were refused: it
+    cannot), "input" (a UserError: only once the data or file it names is fixed) or "retry"."""
+    if any(text in message for text in _CONFIG_REFUSED):
+        return "config"
+    return "input" if "UserError" in message else "retry"
+
+
+def _new_run(client: Any, flow_run: Any, message: str) -> str:
+    """How to start the run again with the fields the message names changed: the deployment's form and the
+    `qlora-pipeline start` command for a deployment run, the command line's own command otherwise."""
+    from prefect.utilities.urls import url_for
+
+    fields = " ".join(f"--set {name}=<new value>" for name in fields_named(message)) or "--set <field>=<new value>"
+    flow = client.read_flow(flow_run.flow_id).name
+    if flow_run.deployment_id is None:  # started by `qlora-pipeline run` or `sweep`
+        command = "run" if flow == "qlora-pipeline" else "sweep --grid GRID"
+        return f"`qlora-pipeline {command} {fields}` with the rest of the command as before"
+    deployment = client.read_deployment(flow_run.deployment_id)
+    name = deployment.name if flow == "qlora-pipeline" else f"{flow}/{deployment.name}"  # as `start` looks it up
+    link = url_for(deployment, url_type="ui")
+    form = f"[{deployment.name}]({link}/run)" if link else f"the deployment {deployment.name}"
+    return f"**Run** on {form} (its form), or `qlora-pipeline start {name} {fields}`"
+
+
+def fields_named(message: str) -> list[str]:
+    """The RunConfig fields a message names (section.field, or runs_dir), in order: pydantic's error locations
+    (`config.train.max_steps`) and our own messages (`data.source='...'`) both spell them so."""
+    from tasks.config import RunConfig
+
+    sections = {name: info.annotation for name, info in RunConfig.model_fields.items() if name != "runs_dir"}
+    known = {"runs_dir", *(f"{section}.{name}" for section, model in sections.items() for name in model.model_fields)}
+    found = re.findall(r"(?<![\w.])(?:config\.)?([a-z]+(?:\.[a-z0-9_]+|_dir))\b", message)
+    return list(dict.fromkeys(name for name in found if name in known))
 
 
 def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:
@@ -315,7 +406,7 @@ def _end_task_runs(client: Any, flow_run_id: Any, message: str) -> list[str]:
         if run.state is None or run.state.is_final():
             continue
         if run.state.is_running():
-            running.append(run.name.rsplit("-", 1)[0])
+            running.append(run.name.split("-", 1)[0])  # "train_adapter-a1f", or a candidate's "train_adapter-c2 (...)"
         client.set_task_run_state(run.id, Crashed(message=f"The flow run crashed: {message}"), force=True)
     return running
 

@@ -7,13 +7,24 @@ BitsAndBytesConfig), so a section hands over with `**args.model_dump()` and need
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from tasks import credentials
 
@@ -63,6 +74,8 @@ _TITLES = {
     "lm_eval_tasks": "lm-evaluation-harness tasks", "limit": "lm-evaluation-harness limit per task",
     "gpu_memory_budget_gb": "GPU memory budget (GiB)", "mlp_chunk_tokens": "MLP chunk (tokens)",
     "recompute_layers": "Recomputed layers", "recompute_mlp_layers": "MLP-recomputed layers",
+    "completion_only_loss": "Loss on answers only", "use_liger_kernel": "Liger kernels",
+    "dequantize": "Dequantized evaluation", "max_samples": "Max eval examples",
 }
 _WORDS = {"lora": "LoRA", "gpu": "GPU", "gpus": "GPUs", "fsdp": "FSDP", "mlp": "MLP", "lm": "LM", "rouge": "ROUGE",
           "fp32": "fp32", "bf16": "bf16"}
@@ -83,16 +96,69 @@ def _show_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> No
                 schema["properties"][name]["default"] = value
 
 
+def _auto_is_none(value: Any) -> Any:
+    return None if isinstance(value, str) and value == "auto" else value
+
+
+def _none_is_auto(value: Any) -> Any:
+    return "auto" if value is None else value
+
+
+def automatic(kind: Any, choices: tuple[Any, ...]) -> Any:
+    """The type of a field that is `kind`, or None for "chosen when the run starts" (from the device, the data or
+    a library's own default), which the UI form and the JSON/YAML dumps spell "auto".
+
+    The value stays None in Python, so the stage cache keys (built from `model_dump()`) are those of a None
+    field. The form shows one dropdown, "auto" preselected: a plain `bool` schema became a switch that the UI
+    submitted as false (off), which is not what None means. "auto" is accepted everywhere a value is (--set,
+    YAML, the form), and a JSON dump writes None as "auto" so that what the CLI sends to Prefect's server
+    (which checks parameters against this schema) is one of the form's choices.
+    """
+    words = {"type": "string"} if all(isinstance(c, str) for c in choices) else {}  # a dropdown of words
+    return Annotated[kind | None, BeforeValidator(_auto_is_none), PlainSerializer(_none_is_auto, when_used="json"),
+                     WithJsonSchema({**words, "enum": ["auto", *choices]})]
+
+
+AutoBool = automatic(bool, (True, False))
+
+
+def _tree(fields: dict[str, dict[str, Any]], required: bool) -> dict[str, Any]:
+    """A JSON schema under which each dotted field ("train.method") matches its own schema; with `required`, the
+    field (and its section) must also be present."""
+    tree: dict[str, Any] = {}
+    for dotted, leaf in fields.items():
+        node = tree
+        for part in dotted.split("."):
+            if required and part not in node.setdefault("required", []):
+                node["required"].append(part)
+            node = node.setdefault("properties", {}).setdefault(part, {})
+        node.update(leaf)
+    return tree
+
+
+def _rule(when: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]], when_absent: bool = False,
+          then_required: bool = False) -> dict[str, Any]:
+    """A rule between fields, as the UI form and Prefect's server check it: when every field in `when` matches its
+    schema, every field in `then` must match its own. A field left out of the parameters has its default:
+    `when_absent` when that default meets the condition, `then_required` when it breaks the requirement."""
+    return {"if": _tree(when, required=not when_absent), "then": _tree(then, required=then_required)}
+
+
 def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
     """Shape the JSON schema for the Prefect UI form, whatever the fields' types are.
 
     `X | None` becomes plain X: the form showed a type toggle whose None side reads 'Property is type "None"'.
     An empty input is left out of the parameters, so the field's default (None) applies; the null default is
     dropped from the schema too, so Prefect's parameter validation still accepts an explicit null (it allows
-    null for an optional property without a default). A `const` (a one-value Literal such as 'all-linear')
-    becomes a one-value enum: the form showed "is a const and cannot be changed" until the type was switched.
+    null for an optional property without a default). A field of `automatic` type gets "auto" as its default.
+    A union whose branches carry their own defaults loses the field's: the V2 form starts a branch picked in its
+    tab at that branch's default, and the V1 form lays the field's default over every branch. A `const` (a
+    one-value Literal such as 'all-linear') becomes a one-value enum: the form showed "is a const and cannot be
+    changed" until the type was switched. The model's FORM_RULES (rules between fields) go to `allOf`.
     """
     _show_factory_defaults(schema, model)
+    if getattr(model, "FORM_RULES", None):
+        schema["allOf"] = copy.deepcopy(model.FORM_RULES)
     for prop in schema.get("properties", {}).values():
         branches = prop.get("anyOf", [])
         kept = [b for b in branches if b.get("type") != "null"]
@@ -101,8 +167,10 @@ def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
             prop.update({k: v for k, v in kept[0].items() if k not in prop})
             if prop.get("default", 0) is None:
                 del prop["default"]
-            if "enum" in prop:  # the null a full config dump holds must still validate
-                prop["enum"] = [*prop["enum"], None]
+        if all("default" in b for b in prop.get("anyOf", [{}])):  # each branch starts at its own (num_gpus)
+            prop.pop("default", None)
+        if "auto" in prop.get("enum", ()) and prop.get("default", 0) is None:
+            prop["default"] = "auto"
         for part in [prop, *prop.get("anyOf", [])]:
             if "const" in part:
                 part["enum"] = [part.pop("const")]
@@ -111,6 +179,8 @@ def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_title,
                               json_schema_extra=_form_friendly)
+    # the model validators' rules between fields, for the form (_form_friendly); a test keeps the two in step
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = []
 
 
 class DataArgs(_Section):
@@ -118,21 +188,22 @@ class DataArgs(_Section):
 
     source: InCheckout = Field(
         str(EMBEDDED_DATA.relative_to(PROJECT_ROOT)), validate_default=True,
-        description="A local .jsonl/.json/.csv/.parquet/.txt file, a folder or glob of them, an fsspec URL "
-        "(s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
+        description="The training data: a local .jsonl, .json, .csv, .parquet or .txt file, a folder or glob of "
+        "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
     )
     eval_source: InCheckout | None = Field(
-        None, description="A fixed evaluation set, in the forms data.source takes (read with the same settings): "
-        "when set, every example of it is evaluated and every example of data.source is trained on (no "
-        "eval_fraction split). Its content is in the keys of prepare_data, evaluate_adapter and export_adapter, "
-        "not train_adapter's (README: Nightly retraining).",
+        None, description="A fixed evaluation set, in any form data.source takes. When set, all of data.source is "
+        "trained on and all of this set is evaluated; a new evaluation set re-evaluates without retraining. "
+        "Empty: a share of data.source (eval_fraction) is held out for evaluation.",
     )
-    name: str | None = Field(None, description="Hub dataset config name (e.g. wikitext-2-raw-v1).")
-    split: str = Field("train", description="Hub split, with slicing: 'train', 'train[:1000]'.")
-    revision: str | None = Field(None, description="Hub dataset revision; None = the default branch.")
+    name: str | None = Field(None, description="Hub dataset configuration name (e.g. wikitext-2-raw-v1). Empty: the "
+                             "dataset's default configuration.")
+    split: str = Field("train", description="Hub split to read; slices work too: train, train[:1000].")
+    revision: str | None = Field(None, description="Hub dataset revision: a branch, tag or commit. Empty: the "
+                                 "default branch.")
     format: Literal["auto", "preference", "unpaired_preference", "dolly", "alpaca", "prompt_completion", "chat",
                     "text"] = Field(
-        "auto", description="Record format; 'auto' detects it from the column names (README: Data formats)."
+        "auto", description="How the records are laid out. auto: detected from the column names."
     )
     column_mapping: dict[str, str] = Field(
         default_factory=dict,
@@ -140,24 +211,25 @@ class DataArgs(_Section):
         "expects}, e.g. {question: instruction, answer: response}.",
     )
     chat_template: Literal["tokenizer", "chatml", "llama3"] = Field(
-        "tokenizer", description="How the chat format renders `messages`: the tokenizer's own chat template, "
-        "or a named one for tokenizers that have none.",
+        "tokenizer", description="How chat records (a list of messages) become text: with the tokenizer's own chat "
+        "template, or with a named one for tokenizers that have none.",
     )
-    completion_only_loss: bool | None = Field(
-        None, description="Mask prompt tokens from the loss. None: yes for instruction and chat formats, no for text."
+    completion_only_loss: AutoBool = Field(
+        None, description="Learn from the answers only, not from the prompts. auto: yes for instruction and chat "
+        "data, no for plain text.",
     )
     max_seq_length: int = Field(
-        256, gt=0, le=1 << 20, description="Tokens per example; longer ones are truncated. At most the base "
-        "model's max_position_embeddings.",
+        256, gt=0, le=1 << 20, description="Most tokens per example; longer examples are cut. At most the length "
+        "the base model supports.",
     )
     eval_fraction: float = Field(
-        0.1, gt=0.0, lt=1.0, description="Share of examples held out for evaluation (split by content hash); "
-        "evaluate_adapter needs some.",
+        0.1, gt=0.0, lt=1.0, description="Share of the examples held out for evaluation. Which ones is decided by "
+        "their content, so the same examples stay held out from run to run.",
     )
     max_empty_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Rows with an empty or whitespace-only response are dropped; fail when "
-        "more than this share of the rows is empty (a sign of a wrong column). Blank lines of text data are "
-        "dropped without limit.",
+        0.1, ge=0.0, le=1.0, description="Records with an empty answer are dropped; the run stops if more than this "
+        "share of them is empty, which usually means a wrong column. Blank lines of plain text are dropped without "
+        "limit.",
     )
     max_eval_overlap: float = Field(
         0.1, ge=0.0, le=1.0, description="With eval_source: the share of its examples that may also be training "
@@ -165,13 +237,13 @@ class DataArgs(_Section):
         "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
     )
     allowed_roots: list[str] | None = Field(
-        None, description="If set, data.source must lie inside one of these folders (symbolic links resolved) or "
-        "start with one of these URL prefixes (s3://bucket/); hub dataset ids stay allowed. Set it in "
-        "deployments so a run started from the UI cannot read other files of the worker.",
+        None, description="Folders (or URL prefixes such as s3://bucket/) that data.source must lie in; hub dataset "
+        "ids are always allowed. Set it in a deployment, so that a run started from the UI cannot read other files "
+        "of the worker. Empty: no restriction.",
     )
     pack_examples: bool = Field(
-        False, description="Pack whole examples into rows of up to max_seq_length tokens at data time, with "
-        "position_ids restarting at each example. Off: speed.packing packs per micro-batch at train time instead.",
+        False, description="Pack whole examples into rows of up to max_seq_length tokens when the data is prepared. "
+        "Off: speed.packing packs each micro-batch during training instead.",
     )
 
 
@@ -179,40 +251,48 @@ class ModelArgs(_Section):
     """The base model and its 4-bit quantization (stage prepare_model)."""
 
     base_model: InCheckout = Field(str(EMBEDDED_MODEL.relative_to(PROJECT_ROOT)), validate_default=True,
-                                   description="A local model folder or a hub model id.")
-    revision: str | None = Field(None, description="Hub model revision; None = the default branch.")
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
-    bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
+                                   description="The model to adapt: a local model folder or a Hugging Face hub "
+                                   "model id.")
+    revision: str | None = Field(None, description="Hub model revision: a branch, tag or commit. Empty: the default "
+                                 "branch.")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type of the base model's weights: nf4 (the QLoRA paper's) or fp4.")
+    bnb_4bit_use_double_quant: bool = Field(True, description="Also quantize the quantization constants: a little "
+                                            "less memory, the same results.")
     bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Matmul dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
+        "auto", description="Precision of the matrix multiplications. auto: bfloat16 on GPUs that support it, else "
+        "float32."
     )
     attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
-        "auto", description="Attention kernel; 'auto' = what transformers picks for the model (sdpa where the "
-        "model supports it, else eager, e.g. Gemma 2). One the model does not support falls back to 'auto' with a "
-        "warning. On GPUs, training with speed.packing runs flash varlen attention whatever this says.",
+        "auto", description="Attention kernel. auto: the one transformers picks for the model. A kernel the model "
+        "does not support falls back to auto with a warning. Packed training on a GPU uses flash attention for "
+        "variable-length sequences whatever this says.",
     )
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        "uint8", description="Element type the packed 4-bit weights are stored in (the bits are the same). "
-        "speed.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs), so FSDP can shard the 4-bit "
-        "layers together with the rest of each decoder layer.",
+        "uint8", description="Element type that holds the packed 4-bit weights (the weights are the same either "
+        "way). speed.fsdp needs it equal to the compute dtype (bfloat16 on recent GPUs).",
     )
 
 
 class LoraArgs(_Section):
     """The LoRA adapters: peft's LoraConfig fields."""
 
-    r: int = Field(16, gt=0, description="LoRA rank.")
-    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
+    r: int = Field(16, gt=0, description="LoRA rank: the adapters' size. Higher can learn more and costs more "
+                   "memory.")
+    lora_alpha: int = Field(32, gt=0, description="LoRA scaling: the adapters' output is multiplied by "
+                            "lora_alpha / r.")
     lora_dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input (0.05 in the QLoRA paper; 0 trained 5% faster "
-        "with 1.6 GiB less peak memory on an H200, Llama-3.1-8B shape).",
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input during training (the QLoRA paper uses "
+        "0.05). 0: no dropout, which trains faster and with less memory.",
     )
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names that get adapters, or 'all-linear': every Linear (and GPT-2 "
-        "Conv1D) layer except the output layer, whatever the family calls them (peft's own rule). prepare_model "
-        "lists the names the model has (modules.json); names it lacks fail before training.",
+    target_modules: Annotated[list[str], Field(title="Named modules", json_schema_extra={"minItems": 1})] | Annotated[
+        Literal["all-linear"], Field(title="Every linear layer")] = Field(
+        "all-linear", description="Layers that get adapters: every linear layer except the output layer "
+        "(all-linear), or a list of module names such as q_proj and v_proj. Names the model does not have stop "
+        "the run before training starts.",
     )
-    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained along with the "
+                                                      "adapters.")
 
 
 # DPO's and KTO's losses as TRL names them (DPOConfig.loss_type, KTOConfig.loss_type)
@@ -221,6 +301,7 @@ KTO_LOSSES = ("kto", "apo_zero_unpaired")
 # TrainArgs fields that are the pipeline's, not TrainingArguments'/DPOConfig's/KTOConfig's keywords
 PIPELINE_TRAIN_FIELDS = ("method", "init_adapter")
 PREFERENCE_TRAIN_FIELDS = ("beta", "loss_type")  # DPOConfig/KTOConfig keywords; not TrainingArguments'
+OPTIMIZERS = ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused")
 
 
 class TrainArgs(_Section):
@@ -236,52 +317,63 @@ class TrainArgs(_Section):
     dropped and counted.
     """
 
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # RunConfig._check_preference's, within this section
+        _rule({"method": {"enum": ["kto"]}}, {"per_device_train_batch_size": {"minimum": 2}}),
+        _rule({"method": {"enum": ["sft"]}}, {"loss_type": {"enum": ["auto"]}}, when_absent=True),
+        _rule({"method": {"enum": ["dpo"]}}, {"loss_type": {"enum": ["auto", *DPO_LOSSES]}}),
+        _rule({"method": {"enum": ["kto"]}}, {"loss_type": {"enum": ["auto", *KTO_LOSSES]}}),
+    ]
+
     method: Literal["sft", "dpo", "kto"] = Field(
-        "sft", description="sft: supervised fine-tuning on instruction/chat/text data. dpo: Direct Preference "
-        "Optimization on preference pairs (data format preference). kto: Kahneman-Tversky Optimization on "
-        "unpaired thumbs-up/down answers (format unpaired_preference; pairs are split into one of each). Both "
-        "through TRL, the reference model being the 4-bit base with the adapter turned off (or the init_adapter).",
+        "sft", description="sft: supervised fine-tuning on instruction, chat or text data. dpo: Direct Preference "
+        "Optimization on pairs of a preferred and a rejected answer (data format preference). kto: "
+        "Kahneman-Tversky Optimization on single answers rated good or bad (format unpaired_preference). dpo and "
+        "kto compare the tuned model with the base model (or with init_adapter).",
     )
     init_adapter: str | None = Field(
-        None, description="Start from an exported adapter instead of a fresh LoRA: a folder with "
-        "adapter_config.json (e.g. runs/exports/adapter/v0003), 'champion' (the champion of export.name's "
-        "registry) or 'champion:NAME' (of registry NAME). Its files are part of the cache key. Its own LoRA "
-        "settings replace the lora section. For dpo/kto it is also the reference model.",
+        None, description="Start from an exported adapter instead of a new one: a folder with adapter_config.json "
+        "(e.g. runs/exports/adapter/v0003), champion (the champion of export.name's registry) or champion:NAME (of "
+        "registry NAME). Its own LoRA settings replace the lora section. Empty: a new adapter.",
     )
     beta: float = Field(
-        0.1, gt=0, description="dpo/kto (TRL's beta): how far the tuned model may move from the reference; higher "
-        "stays closer.",
+        0.1, gt=0, description="dpo/kto: how far the tuned model may move away from the model it is compared with; "
+        "higher stays closer.",
     )
-    loss_type: Literal[DPO_LOSSES + KTO_LOSSES] | None = Field(  # type: ignore[valid-type]
-        None, description="dpo/kto (TRL's loss_type): None = TRL's default, sigmoid for dpo, kto for kto. dpo takes "
+    loss_type: automatic(Literal[DPO_LOSSES + KTO_LOSSES], DPO_LOSSES + KTO_LOSSES) = Field(  # type: ignore[valid-type]
+        None, description="dpo/kto: the loss TRL optimizes. auto: sigmoid for dpo, kto for kto. dpo takes "
         f"{', '.join(DPO_LOSSES)}; kto takes {', '.join(KTO_LOSSES)}.",
     )
 
-    max_steps: int = Field(-1, ge=-1, description="Optimizer steps (1 or more); -1 = train by num_train_epochs.")
-    num_train_epochs: float = Field(1.0, gt=0, description="Epochs when max_steps is -1.")
-    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch (examples).")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_steps: int = Field(
+        # the form shows the server's message, which quotes this schema: its title says what to do
+        -1, ge=-1, json_schema_extra={"not": {"enum": [0], "title": "0 trains nothing: 1 or more, or -1"}},
+        description="Optimizer steps to train: 1 or more, or -1 to train for num_train_epochs instead.",
+    )
+    num_train_epochs: float = Field(1.0, gt=0, description="Passes over the training data, when max_steps is -1.")
+    per_device_train_batch_size: int = Field(8, gt=0, description="Examples per micro-batch on each device.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step: each step "
+                                             "learns from this many micro-batches (on each GPU).")
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "cosine", description="Learning-rate schedule after warmup."
+        "cosine", description="How the learning rate changes after warmup."
     )
     warmup_steps: float = Field(
         0.03, ge=0, description="Warmup: a number of steps, or a fraction of all steps when below 1."
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the LoRA weights.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    optim: Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"] | None = (
-        Field(None, description="Optimizer. None: adamw_torch_fused (torch's fused AdamW) on a GPU, adamw_torch with "
-              "speed.fsdp, adamw_8bit (bitsandbytes' 8-bit AdamW; its paged variant falls back to it there) "
-              "elsewhere. On an H200 the fused one trains an 8B model 11% faster than paged_adamw_8bit for 0.28 "
-              "GiB more (fp32 state of the LoRA weights): bitsandbytes' optimizers wait for the GPU after each "
-              "LoRA tensor (448 waits per step).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the adapter weights.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
+    optim: automatic(Literal[OPTIMIZERS], OPTIMIZERS) = Field(  # type: ignore[valid-type]
+        None, description="Optimizer. auto: torch's fused AdamW (adamw_torch_fused) on a GPU, where it is the "
+        "fastest; adamw_torch with speed.fsdp; bitsandbytes' 8-bit AdamW (adamw_8bit) on a CPU, where the paged "
+        "variants fall back to it.",
     )
-    gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
-    bf16: bool | None = Field(None, description="bf16 mixed precision; None = where the device supports it.")
-    save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints.")
-    logging_steps: int = Field(10, gt=0, description="Optimizer steps between loss log lines.")
-    seed: int = Field(42, description="Seed for LoRA init, data order and dropout.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in the backward pass instead of "
+                                         "keeping them: less memory for some more compute.")
+    bf16: AutoBool = Field(None, description="Train in bf16 mixed precision. auto: where the device supports it.")
+    save_steps: int = Field(50, gt=0, description="Optimizer steps between checkpoints; a run that stops resumes "
+                            "from the latest one.")
+    logging_steps: int = Field(10, gt=0, description="Optimizer steps between points of the loss log and curve.")
+    seed: int = Field(42, description="Seed for the adapters' initial values, the data order and dropout.")
 
     @field_validator("max_steps")
     @classmethod
@@ -297,83 +389,77 @@ class SpeedArgs(_Section):
     TrainArgs holds the transformers Trainer's own fields only; these are the pipeline's.
     """
 
-    num_gpus: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        1, description="Data-parallel processes (torchrun + DDP), one per GPU; 'auto' = every visible GPU. "
-        "On a machine without GPUs, N > 1 runs N CPU processes with the gloo backend.",
+    num_gpus: Annotated[int, Field(ge=1, title="A number of GPUs", json_schema_extra={"default": 1})] | Annotated[
+        Literal["auto"], Field(title="Every visible GPU", json_schema_extra={"default": "auto"})] = Field(
+        1, description="Training processes, one per GPU, each with a copy of the adapter (data parallel): a number, "
+        "or every visible GPU (auto). Without GPUs, a number above 1 runs that many CPU processes.",
     )
     fsdp: bool = Field(
-        False, description="With num_gpus > 1: shard the 4-bit base model, the LoRA weights, their gradients and "
-        "optimizer state across the GPUs (FSDP2) instead of a full copy per GPU (DDP), for models whose training "
-        "does not fit one GPU. Needs model.bnb_4bit_quant_storage equal to the compute dtype; GPUs only; trains with "
-        "optim adamw_torch (bitsandbytes' optimizers cannot update sharded parameters).",
+        False, description="With several GPUs: split the 4-bit base model, the adapters and their optimizer state "
+        "across the GPUs (FSDP) instead of a full copy on each, for models whose training does not fit one GPU. "
+        "GPUs only; needs model.bnb_4bit_quant_storage equal to the compute dtype, and trains with optim "
+        "adamw_torch.",
     )
     packing: bool = Field(
-        True, description="Pack whole examples into each micro-batch, each with its own position ids: no padding, "
-        "and no example attends to another (varlen attention on GPUs, a block-diagonal mask elsewhere). DPO/KTO: TRL's "
-        "loss on the real tokens only, DPO's micro-batches whole pairs sized in tokens (docs/preference.md).",
+        True, description="Pack whole examples into each micro-batch instead of padding them to the same length; "
+        "each example still attends only to itself. dpo and kto keep each pair or answer whole.",
     )
     max_tokens_per_batch: int | None = Field(
-        None, gt=0, description="Tokens per packed micro-batch. None: on a GPU, the memory plan's choice (the "
-        "fastest training that fits gpu_memory_budget_gb, up to 32,768 or the longest example); on CPU, "
-        "per_device_train_batch_size examples per micro-batch.",
+        None, gt=0, description="Tokens per packed micro-batch. Empty: on a GPU, the largest that the memory plan "
+        "finds fastest within gpu_memory_budget_gb; on a CPU, per_device_train_batch_size examples.",
     )
     gpu_memory_budget_gb: float | None = Field(
-        None, gt=0, description="GPU memory (GiB) training may use, model included. On a GPU with packing, the memory "
-        "plan picks the pack size, the layers to recompute and the offloads that train fastest within it (the log "
-        "and the train_adapter manifest say what it chose and the peak it predicted). None: the GPU's own memory, "
-        "less 1 GiB for other processes.",
+        None, gt=0, description="GPU memory (GiB) training may use, model included. On a GPU with packing, the "
+        "memory plan picks the micro-batch size, the layers to recompute and what to keep in CPU memory so that "
+        "training is fastest within it, and logs what it chose. Empty: the GPU's memory less 1 GiB for other "
+        "processes.",
     )
     recompute_layers: int | None = Field(
-        None, ge=0, description="Decoder layers (the first ones) that recompute all their activations in the backward "
-        "pass instead of keeping them (activation checkpointing; the rest keep theirs). None: on a GPU with packing, "
-        "as few as the memory budget allows; elsewhere every layer while train.gradient_checkpointing is on.",
+        None, ge=0, description="How many decoder layers (the first ones) recompute all their activations in the "
+        "backward pass instead of keeping them. Empty: on a GPU with packing, as few as the memory budget allows; "
+        "elsewhere every layer while train.gradient_checkpointing is on.",
     )
     recompute_mlp_layers: int | None = Field(
-        None, ge=0, description="Decoder layers, after the recompute_layers ones, that recompute only their MLP's "
-        "activations in the backward pass (selective recomputation: attention keeps its own; for Llama-3.1-8B the MLP "
-        "holds two thirds of a layer's activations and does four fifths of its matmul FLOPs). A family whose layers "
-        "have no .mlp steps aside (logged). None: on a GPU with packing, the memory plan chooses; elsewhere 0.",
+        None, ge=0, description="How many decoder layers, after the recompute_layers ones, recompute only their MLP's "
+        "activations, which are most of a layer's. Models whose layers have no MLP block skip it, with a log line. "
+        "Empty: on a GPU with packing, the memory plan chooses; elsewhere none.",
     )
-    offload_activations: bool | None = Field(
-        None, description="Keep the recomputed layers' inputs in pinned CPU memory, copied on a side stream (2 "
-        "GiB for 8k tokens of an 8B model). None: the memory plan decides on a GPU with packing (single-process "
-        "runs only), else on with gradient checkpointing on a GPU in single-process runs.",
+    offload_activations: AutoBool = Field(
+        None, description="Keep the inputs of the recomputed layers in CPU memory instead of GPU memory, copied "
+        "while the GPU computes. Single-process runs only. auto: the memory plan decides on a GPU with packing; "
+        "otherwise on with gradient checkpointing on a GPU.",
     )
-    offload_embeddings: bool | None = Field(
-        None, description="Keep the frozen input-embedding table in CPU memory and look tokens up there (1 GiB "
-        "for a 128k-token vocabulary in bf16; per micro-batch, the ids go to the host and the rows come back), and "
-        "where the fused cross-entropy computes the loss, the frozen output layer too (copied to the GPU for the "
-        "loss, then freed: another 1 GiB off the peak). Untied tables only; single-process runs only. None: the memory "
-        "plan decides on a GPU with packing, else when the activations are offloaded.",
+    offload_embeddings: AutoBool = Field(
+        None, description="Keep the frozen input embedding table, and with fused_cross_entropy the output layer "
+        "too, in CPU memory: less GPU memory for models with a large vocabulary. Models with separate input and "
+        "output tables, single-process runs only. auto: the memory plan decides on a GPU with packing; otherwise on "
+        "when the activations are offloaded.",
     )
     upcast_frozen_to_fp32: bool = Field(
-        False, description="Cast the frozen embeddings, norms and lm_head to float32 (peft's "
-        "prepare_model_for_kbit_training). Off keeps them in the compute dtype: less memory, same loss.",
+        False, description="Cast the frozen embeddings, norms and output layer to float32 (peft's "
+        "prepare_model_for_kbit_training). Off keeps them in the compute dtype: less memory, the same loss.",
     )
     fused_cross_entropy: bool = Field(
-        True, description="Compute the loss and its gradient from the hidden states a chunk at a time, never "
-        "holding all (tokens x vocabulary) float32 logits.",
+        True, description="Compute the loss a chunk of tokens at a time, never holding the logits of all tokens "
+        "at once: much less memory for models with a large vocabulary.",
     )
-    use_liger_kernel: bool | None = Field(
-        None, description="Liger's fused RMSNorm, SwiGLU and RoPE kernels. None: where liger-kernel is installed "
-        "(the 'gpu' extra) and a GPU is present.",
+    use_liger_kernel: AutoBool = Field(
+        None, description="Use Liger's fused GPU kernels for RMSNorm, SwiGLU and RoPE. auto: where liger-kernel is "
+        "installed (the gpu extra) and a GPU is present.",
     )
     mlp_chunk_tokens: int = Field(
-        16384, ge=0, description="Run each MLP over at most this many tokens at a time, each chunk checkpointed: "
-        "long sequences fit in less memory for one more MLP forward. Where the memory plan chooses (a GPU with "
-        "packing), only the MLPs that recompute anyway run in chunks, and the whole-recomputed layers' only where "
-        "the plan says so; the layers that keep their activations run whole. 0 = never.",
+        16384, ge=0, description="Run each MLP over at most this many tokens at a time, so that long sequences fit "
+        "in less memory for one more MLP pass; 0 = never. Where the memory plan chooses, only the layers that "
+        "recompute run in chunks.",
     )
-    fused_lora: bool | None = Field(
-        None, description="Run each LoRA layer, its 4-bit base matmul included, as one autograd function (tasks/"
-        "train_adapter/fused_lora.py): the same maths with about a quarter fewer ops and half the autograd nodes "
-        "per step, the host-side work that small micro-batches on a GPU wait for. Layers with lora_dropout > 0 "
-        "in training keep peft's path. None: on, except with speed.fsdp.",
+    fused_lora: AutoBool = Field(
+        None, description="Run each adapted layer, its 4-bit matrix multiplication included, as one operation: the "
+        "same maths with less overhead per step, which matters most for small micro-batches on a GPU. Layers with "
+        "lora_dropout above 0 keep peft's own path while training. auto: on, except with fsdp.",
     )
     recompute_skip: bool = Field(
-        True, description="With fused_lora: a recomputed layer skips the LoRA layers whose output its recomputation "
-        "never reads (tasks/train_adapter/recompute_skip.py; found in the autograd graph: in Llama-style layers the "
-        "MLP's down projection, 27% of an 8B layer's matmul FLOPs). Same gradients, bit for bit.",
+        True, description="With fused_lora: a recomputed layer skips the adapters whose output the backward pass "
+        "never reads (in Llama-style layers, the MLP's down projection). The same gradients, bit for bit.",
     )
 
 
@@ -381,62 +467,64 @@ class EvalArgs(_Section):
     """Evaluation of base and base + adapter on the held-out split (stage evaluate_adapter)."""
 
     max_samples: int | None = Field(
-        None, gt=0, description="Evaluate on at most this many eval examples; None = all."
+        None, gt=0, description="Evaluate on at most this many held-out examples. Empty: all of them."
     )
     per_device_eval_batch_size: int = Field(
-        8, gt=0, description="Memory size of an eval batch, in examples of the longest length: a loss batch holds "
-        "at most this many times the longest eval example's tokens, a generation batch this many times the longest "
-        "prompt plus max_new_tokens; examples are sorted by length, so short ones share a batch (fewer, fuller "
-        "batches, peak memory as a batch of this many longest examples).",
+        8, gt=0, description="Evaluation batch size, counted in examples of the longest length: examples are sorted "
+        "by length, so that short ones share a batch while the peak memory stays that of this many of the longest.",
     )
-    dequantize: Literal["auto"] | bool = Field(
-        "auto", description="Evaluate on the 4-bit base dequantized once to the compute dtype (plain matmuls, the "
-        "adapters attached by name) instead of the 4-bit layers, which dequantize every weight on every forward; "
-        "same numbers within rounding. auto = when the dequantized copy fits the free GPU memory (on CPU: the "
-        "available host memory) with a margin; false = always 4-bit (least memory).",
+    dequantize: Annotated[Literal["auto"] | bool, WithJsonSchema({"enum": ["auto", True, False]})] = Field(
+        "auto", description="Evaluate on a copy of the base model converted once from 4 bits to the compute "
+        "dtype: faster, and the same numbers within rounding. auto: when the copy fits in the free memory with a "
+        "margin; false: always the 4-bit model (least memory).",
     )
     generation_samples: int = Field(
-        32, ge=0, description="Answer the first this many eval prompts by greedy generation, with the base model "
-        "and with the adapter, and score the answers (exact match, ROUGE-L); 0 = no generation.",
+        32, ge=0, description="Answer this many held-out prompts by greedy generation, with the base model and with "
+        "the adapter, and score the answers (exact match, ROUGE-L); 0 = no generation.",
     )
-    max_new_tokens: int = Field(32, gt=0, description="Most tokens generated per answer (stops earlier at eos).")
+    max_new_tokens: int = Field(32, gt=0, description="Most tokens generated per answer (fewer where the model ends "
+                                "its answer).")
     lm_eval_tasks: list[str] = Field(
-        default_factory=list, description="lm-evaluation-harness task names (e.g. [hellaswag, arc_easy]) run on "
-        "base and tuned; needs `pip install lm-eval` and the tasks' datasets, skipped with a note otherwise.",
+        default_factory=list, description="lm-evaluation-harness tasks (e.g. hellaswag, arc_easy) run on the base "
+        "and the tuned model. Needs `pip install lm-eval` and the tasks' datasets; skipped with a note otherwise.",
     )
     limit: int | None = Field(
-        None, gt=0, description="lm-evaluation-harness: at most this many examples per task; None = all.",
+        None, gt=0, description="lm-evaluation-harness: at most this many examples per task. Empty: all.",
     )
 
 
 class ExportArgs(_Section):
     """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
 
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [
+        _rule({"gguf": {"minItems": 1}}, {"merge": {"enum": [True]}}, then_required=True),
+    ]
+
     name: str = Field(
-        "adapter", max_length=100,
-        description="Registry name: versions go to `runs_dir/exports/<name>/vNNNN/`, the champion to champion.json.",
+        "adapter", max_length=100, json_schema_extra={"pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]*$"},
+        description="Registry name: versions are published to runs_dir/exports/<name>/vNNNN/, where the champion "
+        "is recorded too. One folder name: letters, digits, '.', '_' and '-'.",
     )
     promotion_margin: float = Field(
-        0.01, ge=0.0, lt=1.0, description="Promote a new version to champion only if its tuned eval loss is below "
-        "the champion's by more than this fraction (0.01: more than 1% lower); for preference runs (dpo, kto) only "
-        "if its tuned reward accuracy is above the champion's by more than this (0.01: one point); otherwise keep "
-        "it as rejected.",
+        0.01, ge=0.0, lt=1.0, description="A new version becomes champion only if its eval loss is lower than the "
+        "champion's by more than this fraction (0.01: more than 1% lower), or for dpo and kto, if its reward "
+        "accuracy is higher by more than this (0.01: one point); otherwise it is kept as rejected.",
     )
     merge: bool = Field(
-        False, description="Also write merged/: the 4-bit base dequantized, the adapter merged in, saved as "
-        "safetensors with the tokenizer (loads with AutoModelForCausalLM, no peft needed).",
+        False, description="Also write merged/: the base model with the adapter merged in, saved with the "
+        "tokenizer, which loads without peft.",
     )
     merged_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the merged model's weights.",
+        "bfloat16", description="Data type of the merged model's weights.",
     )
-    # 2GB, not transformers' 5GB: the manifest hashes one file per thread, so the largest shard bounds the hash
+    # 2GB, not transformers' 5GB: the manifest hashes one file per thread, so the largest shard bounds the hashing
     # (docs/performance.md, "The whole job")
-    max_shard_size: str = Field("2GB", description="Largest safetensors shard of the merged model (save_pretrained).")
+    max_shard_size: str = Field("2GB", description="Largest weights file of the merged model (smaller files are "
+                                "checked in parallel).")
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = Field(
-        default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one per "
-        "type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile and the adapter as a GGUF LoRA for llama.cpp's "
-        "--lora (lora-f32.gguf), in gguf/; needs merge. The types are those the "
-        "gguf package quantizes itself; for k-quants (q4_k_m) run llama.cpp's llama-quantize on the f16 file.",
+        default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one "
+        "per type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile and the adapter as a GGUF LoRA, in gguf/. "
+        "Needs merge. For k-quants (q4_k_m), run llama.cpp's llama-quantize on the f16 file.",
     )
 
     @field_validator("name")
@@ -462,29 +550,36 @@ TRACKING_BACKENDS = ("mlflow", "tensorboard")  # one module each in tasks/tracki
 class TrackArgs(_Section):
     """Experiment tracking (README: Experiment tracking). Part of no stage's cache key: tracking changes no output."""
 
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [
+        _rule({"register_model": {"enum": [True]}}, {"backend": {"contains": {"enum": ["mlflow"]}}},
+              then_required=True),
+    ]
+
     backend: list[Literal[TRACKING_BACKENDS]] = Field(  # type: ignore[valid-type]
-        default_factory=list, description="Where runs are logged: mlflow, tensorboard, or both; [] (or 'none') = "
-        "no tracking. A single name is taken as a list of one. mlflow and tensorboard need the 'tracking' extra.",
+        default_factory=list, description="Where runs are logged: mlflow, tensorboard, or both. Empty: no "
+        "tracking. Both need the tracking extra.",
     )
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). None: MLflow's "
+        None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). Empty: MLflow's "
         "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
         # Prefect's server checks a deployment run's parameters against this before it stores them
         json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )
-    experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs go into (created if "
-                                 "missing).")
+    experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs are logged to (created "
+                                 "if missing).")
     tensorboard_dir: str | None = Field(
-        None, description="TensorBoard log folder (one subfolder per trained adapter). None: runs_dir/tensorboard.",
+        None, description="TensorBoard log folder, one subfolder per trained adapter. Empty: runs_dir/tensorboard.",
     )
     parent_run_id: str | None = Field(
-        None, description="MLflow run id to file this run under as a child run (a sweep passes its own run).",
+        None, description="MLflow run to file this run under, as a child run (a sweep sets it to its own run). "
+        "Empty: a run of its own.",
     )
     register_model: bool = Field(
-        False, description="mlflow: also register the registry's champion as a version of an MLflow registered "
-        "model with the alias 'champion' (the exports registry stays the source of truth).",
+        False, description="mlflow: also register the champion as a version of an MLflow registered model, with "
+        "the alias champion (the exports registry stays the source of truth).",
     )
-    registered_model_name: str | None = Field(None, description="MLflow registered model name; None = export.name.")
+    registered_model_name: str | None = Field(None, description="Name of the MLflow registered model. Empty: "
+                                              "export.name.")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -509,10 +604,23 @@ class TrackArgs(_Section):
         return self
 
 
+_FSDP = {"speed.fsdp": {"enum": [True]}}
+_STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+
+
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
-    runs_dir: Path = Field(Path("runs"), description="Folder for stage outputs, shared between runs.")
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_preference's and _check_fsdp's
+        _rule({"train.method": {"enum": ["dpo", "kto"]}}, {
+            "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
+        _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
+        *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
+                {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
+    ]
+
+    runs_dir: Path = Field(Path("runs"), description="Folder that every stage writes its output to; runs that share "
+                           "it reuse each other's finished stages.")
     data: DataArgs = Field(default_factory=DataArgs, title="Data", description="What to train on: the source, its "
                            "format and how examples are cut; source is the field most runs change.")
     model: ModelArgs = Field(default_factory=ModelArgs, title="Base model", description="The model to adapt and how "
@@ -522,14 +630,15 @@ class RunConfig(_Section):
     train: TrainArgs = Field(default_factory=TrainArgs, title="Training", description="Steps, batch size, learning "
                              "rate, checkpoints (the transformers Trainer's own fields).")
     speed: SpeedArgs = Field(default_factory=SpeedArgs, title="Speed and memory (advanced)", description="How "
-                             "training runs, not what it computes: GPUs, packing, offloading, fused kernels. The "
-                             "defaults pick what the hardware supports; change them only to tune speed or memory.")
+                             "training runs, not what it learns: GPUs, packing, memory, fused kernels. The defaults "
+                             "pick what the hardware supports; change them only to tune speed or memory "
+                             "(docs/performance.md).")
     eval: EvalArgs = Field(default_factory=EvalArgs, title="Evaluation", description="Held-out loss, greedy answers "
                            "scored against references, optional lm-evaluation-harness tasks.")
     export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
                                "name the adapter is published under and the gate that makes it champion.")
     track: TrackArgs = Field(default_factory=TrackArgs, title="Experiment tracking", description="MLflow and "
-                             "TensorBoard logging of each run; off by default, and part of no cache key.")
+                             "TensorBoard logging of each run; off by default.")
 
     @model_validator(mode="before")
     @classmethod
@@ -554,8 +663,8 @@ class RunConfig(_Section):
         allowed = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(method, ())
         if loss is not None and loss not in allowed:
             raise ValueError(f"train.loss_type={loss} does not go with train.method={method}: "
-                             + (f"use one of {', '.join(allowed)}, or null for TRL's default" if allowed
-                                else "loss_type is for dpo and kto only; set it to null"))
+                             + (f"use one of {', '.join(allowed)}, or auto for TRL's default" if allowed
+                                else "loss_type is for dpo and kto only; set it to auto"))
         if method != "sft" and self.data.format not in ("auto", "preference", "unpaired_preference"):
             raise ValueError(f"train.method={method} trains on preference data, but data.format is "
                              f"{self.data.format}; set data.format to preference, unpaired_preference or auto")
@@ -679,11 +788,11 @@ def reference_table() -> str:
     sections = {"": RunConfig, **{name: f.annotation for name, f in RunConfig.model_fields.items()
                                   if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}}
     for prefix, model in sections.items():
+        defaults = model().model_dump(mode="json")  # as a YAML file or the form spells them ("auto", not null)
         for name, info in model.model_fields.items():
             if prefix == "" and name in sections:
                 continue
-            default = info.get_default(call_default_factory=True)
-            shown = str(default).replace(str(PROJECT_ROOT) + "/", "") if default is not None else "null"
+            shown = "null" if defaults[name] is None else str(defaults[name])
             lines.append(f"| `{prefix + '.' if prefix else ''}{name}` | `{shown}` | {info.description or ''} |")
     return "\n".join(lines)
 

@@ -27,7 +27,8 @@ def _either_case(word: str) -> str:
 # scheme://user[:password]@host: anything before an '@' in the authority (a user name alone may be a token)
 USERINFO = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
 # ?...&name=value where name holds a secret word
-SECRET_QUERY = r"[?&;][^=&;#]*(?:" + "|".join(map(_either_case, SECRET_WORDS)) + r")[^=&;#]*="
+# (names bounded in length: an unbounded one made masking a long config value quadratic in its length)
+SECRET_QUERY = r"[?&;][^=&;#]{0,200}(?:" + "|".join(map(_either_case, SECRET_WORDS)) + r")[^=&;#]{0,200}="
 # what a URI without credentials matches (JSON schema `pattern`: searched, so anchored here)
 NO_CREDENTIALS = rf"^(?!{USERINFO[1:]})(?![\s\S]*{SECRET_QUERY})"
 
@@ -44,7 +45,9 @@ def found(uri: str) -> list[str]:
 
 def mask(text: str) -> str:
     """`text` with the credentials of every URI in it replaced by ***: user:password@ and secret query values."""
-    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s'\"@]*@", r"\1***@", text)
+    # a scheme is short (RFC 3986 sets no bound; 32 covers every registered one): unbounded, a long run of letters
+    # was searched from each of its positions to its end
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^/?#\s'\"@]*@", r"\1***@", text)
     return re.sub(rf"({SECRET_QUERY})[^&;#\s'\"]*", r"\1***", text)
 
 

@@ -20,17 +20,17 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, WithJsonSchema
 
-from tasks import disk, registry, tracking
+from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
@@ -39,6 +39,10 @@ from tasks.log import current_run_attempt, logger
 from tasks.manifest import hash_json, read_manifest
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
+# The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
+# is); `list | None` showed a type toggle whose preselected None side reads 'Property is type "None"'.
+CandidateList = Annotated[Sequence[dict[str, Any]] | None,
+                          WithJsonSchema({"type": "array", "items": {"type": "object"}})]
 MAX_CANDIDATES = 256  # a typo in a grid (a long list, one key too many) should not queue a month of training
 # no candidate can lose to this: a candidate that does not beat it has no usable metric (a NaN loss)
 _WORST = {"tuned_eval_loss": math.inf, "tuned_reward_accuracy": -math.inf}
@@ -56,6 +60,10 @@ class Candidate:
     def label(self) -> str:
         return _label(self.overrides)
 
+    def sections(self) -> dict[str, Any]:
+        """Its train_adapter sections (lora, train, speed): the only ones in which candidates differ."""
+        return {name: getattr(self.config, name) for name in SWEPT_SECTIONS}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -68,10 +76,6 @@ class Plan:
     @property
     def dir(self) -> Path:
         return Path(self.base.runs_dir).expanduser().resolve() / "sweeps" / self.key
-
-    def sections(self, name: str) -> list[Any]:
-        """Each candidate's config section `name` (lora, train or speed), in candidate order: a mapped input."""
-        return [getattr(c.config, name) for c in self.candidates]
 
 
 @dataclass
@@ -310,9 +314,17 @@ class SignalLeavesThreads(ThreadPoolTaskRunner):
         super().__exit__(exc_type, exc_value, traceback)
 
 
-def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
-    """Submit the next stage for each future as soon as it completes (its result passed as the future, so the UI
-    shows the dependency); None in place of a future that did not complete: that candidate failed alone."""
+def named(task: Any, candidate: Candidate) -> Any:
+    """`task` (a stage) for this candidate: its task runs named for the candidate in the UI, "train_adapter-c2
+    (lora.r=8)", and its artifacts keyed by it (artifacts.for_candidate)."""
+    name = artifacts.candidate_run_name(task.name, candidate.name, _show(candidate.label))
+    return task.with_options(task_run_name=lambda: name)  # a callable: a string would be formatted with the inputs
+
+
+def then(futures: list[Any], submits: list[Callable[[Any], Any]]) -> list[Any]:
+    """Submit the next stage for each future as soon as it completes, with `submits` in the futures' order (its
+    result passed as the future, so the UI shows the dependency); None in place of a future that did not
+    complete: that candidate failed alone."""
     from prefect.futures import as_completed
 
     futures = list(futures)
@@ -321,7 +333,7 @@ def then(futures: list[Any], submit: Callable[[Any], Any]) -> list[Any]:
     for future in as_completed(futures):
         future.wait()  # sets the future's own final state; .state would otherwise ask the server, which may lag
         if future.state.is_completed():
-            nexts[position[id(future)]] = submit(future)
+            nexts[position[id(future)]] = submits[position[id(future)]](future)
     return nexts
 
 
@@ -394,8 +406,9 @@ def _own(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not k.startswith("champion_")}
 
 
-def report(ranking: Ranking, run_summary: dict[str, Any]) -> dict[str, Any]:
-    """Write winner.yaml and sweep.json (with the published version), the winner artifact; the sweep summary.
+def report(ranking: Ranking, run_summary: dict[str, Any]) -> Any:
+    """Write winner.yaml and sweep.json (with the published version), the winner artifact; the sweep summary, as
+    the flow run's Completed state whose message is the verdict (artifacts.verdict).
 
     Raises after everything is written and published when a candidate failed (the flow's docstring says why).
     """
@@ -414,7 +427,8 @@ def report(ranking: Ranking, run_summary: dict[str, Any]) -> dict[str, Any]:
     if ranking.failed:
         raise _failure(ranking, ranking.failed, f"the winner {winner.candidate.name} was published as "
                        f"{export['export_name']} {export['export_version']} ({export['promotion']})")
-    return summary
+    return artifacts.verdict(summary, run_summary["metrics"], f"winner {winner.candidate.name} "
+                             f"({winner.candidate.label}) of {len(ranking.outcomes)}: ")
 
 
 def _failure(ranking: Ranking, failed: list[Outcome], done: str) -> Exception:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from tasks.config import PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config, reference_table
@@ -151,3 +152,95 @@ def test_config_reference_is_current() -> None:
 def test_speed_fields_under_train_say_where_they_moved() -> None:
     with pytest.raises(ValueError, match=r"train.num_gpus -> speed.num_gpus, train.packing -> speed.packing"):
         load_config(None, ["train.packing=false", "train.num_gpus=1"])
+
+
+# ---- the run form (Prefect's UI renders RunConfig's JSON schema) ----------------------------------------------------
+
+# the fields whose None means "chosen when the run starts": the form offers "auto" for them, and "auto" is None
+AUTOMATIC = ["data.completion_only_loss", "train.bf16", "train.optim", "train.loss_type", "speed.offload_activations",
+             "speed.offload_embeddings", "speed.use_liger_kernel", "speed.fused_lora"]
+
+
+def _form_schema() -> dict:
+    """The flow's parameter schema as the UI gets it (Prefect's server checks parameters against it, with an
+    optional field's null allowed: prefect's validate(preprocess=True))."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    return parameter_schema(qlora_pipeline).model_dump_for_openapi()
+
+
+def _properties(schema: dict) -> dict[str, dict]:
+    sections = {name: prop["$ref"].rsplit("/", 1)[-1] for name, prop in
+                schema["definitions"]["RunConfig"]["properties"].items() if "$ref" in prop}
+    return {f"{section}.{field}": prop for section, model in sections.items()
+            for field, prop in schema["definitions"][model]["properties"].items()}
+
+
+@pytest.mark.parametrize("field", AUTOMATIC)
+def test_automatic_fields_offer_auto_and_keep_none(field: str) -> None:
+    """The form shows them as a dropdown with "auto" chosen (a switch submitted false, which is not None); "auto"
+    from the form, the CLI or a YAML file is None in Python, so the stage keys are those of the default."""
+    prop = _properties(_form_schema())[field]
+    assert prop["enum"][0] == "auto" and prop["default"] == "auto" and prop.get("type") != "boolean", prop
+    section, name = field.split(".")
+    config = load_config(None, [f"{field}=auto"])
+    assert getattr(getattr(config, section), name) is None
+    assert config.model_dump() == RunConfig().model_dump()  # what the stage keys hash
+    assert load_config(None, [f"{field}=null"]).model_dump(mode="json")[section][name] == "auto"
+
+
+def test_every_field_starts_at_a_value_the_form_can_show() -> None:
+    """No field renders as something that cannot express its default: no boolean without a default (a switch
+    the UI submits as off), no None toggle, no union picker without readable branch titles; and the default
+    dump of RunConfig (every field as the form starts) passes the server's check as it is."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    schema = _form_schema()
+    for field, prop in _properties(schema).items():
+        assert not (prop.get("type") == "boolean" and "default" not in prop), field
+        branches = prop.get("anyOf", [])  # an optional field's None is an empty input, left out of the parameters
+        assert all(b.get("title") and b.get("type") != "null" for b in branches), (field, branches)
+    assert not validate({"config": RunConfig().model_dump(mode="json")}, schema, raise_on_error=False)
+    assert RunConfig.model_validate(RunConfig().model_dump(mode="json")) == RunConfig()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.max_steps=0"], ["lora.r=0"], ["data.max_seq_length=0"], ["data.eval_fraction=1"], ["eval.max_samples=0"],
+    ["train.per_device_train_batch_size=0"], ["export.name=../elsewhere"], ["lora.target_modules=[]"],
+    ["export.gguf=[q8_0]"], ["track.register_model=true"], ["train.loss_type=sigmoid"],
+    ["train.method=dpo", "train.loss_type=kto", "data.format=preference"],
+    ["train.method=kto", "data.format=unpaired_preference", "train.per_device_train_batch_size=1"],
+    ["train.method=dpo", "data.format=dolly"], ["speed.fsdp=true"],
+    ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16", "model.bnb_4bit_compute_dtype=float16"],
+])
+def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
+    """Bounds and the rules between fields are in the schema, so Prefect's server (and the form, which shows its
+    answer) refuses a run that RunConfig would refuse when it starts."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    with pytest.raises(ValidationError):
+        load_config(None, overrides)
+    raw: dict = {}
+    for item in overrides:
+        dotted, _, value = item.partition("=")
+        section, name = dotted.split(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    assert validate({"config": raw}, _form_schema(), raise_on_error=False), raw
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["train.max_steps=3"], ["train.max_steps=-1"], ["export.gguf=[q8_0]", "export.merge=true"],
+    ["track.register_model=true", "track.backend=mlflow"], ["train.method=dpo", "train.loss_type=ipo"],
+    ["train.method=kto", "train.loss_type=apo_zero_unpaired", "train.per_device_train_batch_size=2"],
+    ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"], ["speed.num_gpus=auto", "eval.dequantize=false"],
+    ["lora.target_modules=[q_proj, v_proj]", "train.optim=adamw_torch", "train.bf16=false"],
+])
+def test_the_form_accepts_what_the_config_accepts(overrides: list[str]) -> None:
+    """What the CLI sends for a valid config (a full dump, or only the fields set) passes the server's check."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    config = load_config(None, overrides)
+    for dump in (config.model_dump(mode="json"), config.model_dump(mode="json", exclude_unset=True)):
+        assert not validate({"config": dump}, _form_schema(), raise_on_error=False), dump

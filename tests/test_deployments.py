@@ -369,7 +369,7 @@ def _submit(browser: Any, submit: Any) -> list[dict[str, Any]]:
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    submit.click()
+    browser.execute_script("arguments[0].click();", submit)  # a toast (an earlier refusal's) may lie over it
     try:
         WebDriverWait(browser, 60).until(lambda b: not b.current_url.split("?")[0].endswith("/run"))
     except TimeoutException:
@@ -381,68 +381,191 @@ def _retryable(console: list[dict[str, Any]]) -> bool:
     return any("create_flow_run" in e["message"] and "status of 503" in e["message"] for e in console)
 
 
+def _open_form(browser: Any, port: int, deployment_id: Any, ui: str) -> None:
+    """The deployment's Custom run form: "v1" is the UI that Prefect's own links (the alert's) open, "v2" the one a
+    browser without a saved choice gets at the server's root."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base = f"http://127.0.0.1:{port}" + ("/v2" if ui == "v2" else "")
+    browser.get(f"{base}/deployments/deployment/{deployment_id}/run")
+    WebDriverWait(browser, 60).until(lambda b: "Max tokens per example" in b.page_source)
+    time.sleep(2)  # the form fills its defaults in after it renders
+
+
+def _type(browser: Any, title: str, value: str) -> None:
+    """Replace what the number box of the field titled `title` holds with `value`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    box = browser.find_element(By.XPATH, f"//*[starts-with(normalize-space(text()), '{title}')]/following::input[1]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", box)
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(value)
+
+
+def _submit_button(browser: Any) -> Any:
+    from selenium.webdriver.common.by import By
+
+    submit = next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Submit")
+    browser.execute_script("arguments[0].scrollIntoView(true);", submit)
+    return submit
+
+
+def _submit_form(browser: Any) -> list[dict[str, Any]]:
+    """Press the form's Submit (again after a 503, as a user would); [] once the browser has left the form."""
+    submit = _submit_button(browser)
+    console = _submit(browser, submit)
+    if console and _retryable(console):
+        # Prefect's server answers 503 for errors a client may retry (its SQLite busy, say); the UI shows "Something
+        # went wrong" and a user presses Submit again (the server logs the cause: PREFECT_API_LOG_RETRYABLE_ERRORS)
+        console += _submit(browser, submit)
+    return console
+
+
+def _field_text(browser: Any, title: str, next_title: str) -> str:
+    """What the form shows of the field titled `title`: its text up to the next field's title."""
+    text = browser.execute_script("return document.body.innerText")
+    start = text.index(title)
+    return text[start:text.index(next_title, start)]
+
+
+def _runs_of(deployment_id: Any) -> list[Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                     sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+
+
+def _keys_on_disk(runs_dir: Path) -> dict[str, str]:
+    """Each stage's key in a runs_dir that one configuration ran in: the name of its one folder."""
+    return {stage: next(p.name for p in (runs_dir / stage).iterdir() if (p / "manifest.json").exists())
+            for stage in STAGES}
+
+
+def _keys_of(config: RunConfig) -> dict[str, str]:
+    """The stage keys `config` computes, as each stage computes its own (nothing runs); the later stages' keys
+    build on the folders of the earlier stages' keys, which must already be in its runs_dir."""
+    from tasks.evaluate_adapter.stage import spec as evaluate
+    from tasks.export_adapter.stage import spec as export
+    from tasks.prepare_data.stage import spec as data
+    from tasks.prepare_model.stage import spec as model
+    from tasks.train_adapter.stage import spec as train
+
+    runs_dir = config.runs_dir
+    specs = [data(config.data, config.model, runs_dir), model(config.model, runs_dir)]
+    folders = [str(s.dir) for s in specs]
+    specs.append(train(config.lora, config.train, config.speed, runs_dir, *folders))
+    specs.append(evaluate(config.eval, runs_dir, *folders, str(specs[-1].dir), config.export.name))
+    specs.append(export(config.export, runs_dir, *folders, str(specs[2].dir), str(specs[3].dir)))
+    return {s.stage: s.key for s in specs}
+
+
 @pytest.mark.ui
 @pytest.mark.skipif(not Path(CHROMEDRIVER).exists() and not os.environ.get("CI"),
                     reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
-def test_ui_form_renders_and_a_run_started_from_it_completes(server: dict[str, Any], tmp_path: Path) -> None:
+def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) -> None:
+    """The Custom run form of embedded-default, in a real browser: a field left alone means what it means on the
+    CLI (the "auto" fields stay automatic), so a run with one field changed computes the stage keys that
+    `qlora-pipeline start embedded-default --set` of that field computes, in either UI; the form refuses a 0 where
+    the config wants 1 or more; a run whose configuration is refused alerts without advising Retry."""
     from prefect import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    data = tmp_path / "data.jsonl"
+    from deployments.watch import overridden
+
+    data, runs = tmp_path / "data.jsonl", tmp_path / "runs"
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    operator = {"runs_dir": str(runs), "data": {"source": str(data)}, "train": {"logging_steps": 1},
+                "eval": {"max_samples": 8, "generation_samples": 4}}
     with get_client(sync_client=True) as client:  # an operator's defaults for this deployment's form
         dep = client.read_deployment_by_name("qlora-pipeline/embedded-default")
-        client.update_deployment(dep.id, DeploymentUpdate(parameters={"config": _config(tmp_path / "runs", data)}))
+        client.update_deployment(dep.id, DeploymentUpdate(parameters={"config": operator}))
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     browser = _browser()
     try:
-        browser.get(f"http://127.0.0.1:{server['port']}/deployments/deployment/{dep.id}/run")
-        WebDriverWait(browser, 60).until(lambda b: "Tokens per example" in b.page_source)
+        _open_form(browser, server["port"], dep.id, "v1")
         browser.save_screenshot(str(SCREENSHOTS / "1-run-form.png"))
         page = browser.page_source
-        for description in ("Folder for stage outputs, shared between runs.", "LoRA rank.",
-                            "Optimizer steps between checkpoints.", "4-bit data type."):
-            assert description in page  # every section of RunConfig, with its help text
+        for description in ("Folder that every stage writes its output to", "LoRA rank: the adapters' size.",
+                            "4-bit data type of the base model's weights"):
+            assert description in page  # the sections of RunConfig, with their help text
         for title in ("LoRA adapter", "LoRA rank (r)", "Speed and memory (advanced)", "bf16 mixed precision"):
             assert title in page  # readable titles, not "R" or "Bf16"
-        text = browser.execute_script("return document.body.innerText")
-        lora = text[text.index("Target modules"):text.index("Trained biases")]
-        assert "No items in this list" not in lora, lora  # target_modules' default is shown, not an empty list
-        values = browser.execute_script("return [...document.querySelectorAll('input, textarea, select')]"
-                                        ".map(e => e.value)")
-        assert "all-linear" in lora or "all-linear" in values, (lora, values)
+        for field, after in (("bf16 mixed precision", "Save steps"), ("Loss on answers only", "Max tokens per example"),
+                             ("Fused LoRA", "Recompute skip")):  # automatic: "auto" chosen, no off switch
+            assert "\nauto" in _field_text(browser, field, after), _field_text(browser, field, after)
+        lora = _field_text(browser, "Target modules", "Trained biases")
+        assert "Every linear layer" in lora and "all-linear" in lora and "list | str" not in lora, lora
         title = browser.find_element(By.XPATH, "//*[starts-with(normalize-space(text()), 'Target modules')]")
         browser.execute_script("arguments[0].scrollIntoView(true);", title)
         browser.save_screenshot(str(SCREENSHOTS / "1b-run-form-lora.png"))
-        submit = next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Submit")
-        browser.execute_script("arguments[0].scrollIntoView(true);", submit)
-        console = _submit(browser, submit)
-        if console and _retryable(console):
-            # Prefect's server answers 503 for errors a client may retry (its SQLite busy, say); the UI shows "Something
-            # went wrong" and a user presses Submit again. Twice in CI on 2026-12-03, create_flow_run got one while
-            # the worker was idle; the server now logs such errors (PREFECT_API_LOG_RETRYABLE_ERRORS, server.log)
-            console += _submit(browser, submit)
-        browser.save_screenshot(str(SCREENSHOTS / "2-after-submit.png"))
-        assert not browser.current_url.split("?")[0].endswith("/run"), f"the run form stayed open; console: {console}"
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
-        ours = [r for r in runs if r.parameters["config"].get("runs_dir") == str(tmp_path / "runs")]
-        assert len(ours) == 1  # the one the form created, with the form's values
-        flow_run_id = ours[0].id
-        run = _wait(flow_run_id)
+
+        # 0 steps: the form refuses it, says why, and no run is created
+        _type(browser, "Max optimizer steps", "0")
+        browser.execute_script("arguments[0].click();", _submit_button(browser))  # V1 shows the refusal in a toast
+        WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: "0 trains nothing" in b.page_source)
+        browser.save_screenshot(str(SCREENSHOTS / "1c-run-form-refuses-0-steps.png"))
+        assert browser.current_url.split("?")[0].endswith("/run") and not _runs_of(dep.id)
+        # ... unless its "Validate parameters" is off: the run is created, and its configuration is refused
+        label = browser.find_element(By.XPATH, "//label[normalize-space(.)='Validate parameters']")
+        validate = browser.find_element(By.ID, label.get_attribute("for"))
+        browser.execute_script("arguments[0].click();", validate)
+        assert not validate.is_selected()
+        assert not _submit_form(browser), "the run form stayed open"
+
+        # one field changed, in each UI: train.max_steps
+        for ui in ("v1", "v2"):
+            _open_form(browser, server["port"], dep.id, ui)
+            if ui == "v2":
+                assert "\nauto" in _field_text(browser, "bf16 mixed precision", "Save steps")
+            _type(browser, "Max optimizer steps", "3")
+            console = _submit_form(browser)
+            browser.save_screenshot(str(SCREENSHOTS / f"2-after-submit-{ui}.png"))
+            assert not browser.current_url.split("?")[0].endswith("/run"), f"the {ui} form stayed open: {console}"
+        refused, v1, v2 = _runs_of(dep.id)
+        assert [r.parameters["config"]["train"]["max_steps"] for r in (refused, v1, v2)] == [0, 3, 3]
+
+        failed = _wait(refused.id)
+        assert failed.state.type.value == "FAILED" and "Validation of flow parameters" in failed.state.message
+        (card,) = _artifacts(refused.id, "run-failure")
+        assert "`qlora-pipeline start embedded-default --set train.max_steps=<new value>`" in card.data, card.data
+        assert "Retry would run the same parameters" in card.data and "press **Retry**" not in card.data
+        deadline = time.time() + 90  # the automation fires from the server's event stream
+        while not any(refused.name in m.get("subject", "") for m in server["hook"]) and time.time() < deadline:
+            time.sleep(1)
+        alert = next(m for m in server["hook"] if refused.name in m.get("subject", ""))["body"]
+        assert "configuration was refused" in alert and "press Retry" not in alert, alert
+        assert "flow-run retry" not in alert, alert
+
+        run = _wait(v1.id)
         assert run.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-        assert run.parameters["config"]["runs_dir"] == str(tmp_path / "runs")
-        browser.get(f"http://127.0.0.1:{server['port']}/runs/flow-run/{flow_run_id}")
+        cli = RunConfig.model_validate(overridden(operator, load_config(None, ["train.max_steps=3"]).model_dump(
+            mode="json", exclude_unset=True)))  # what `qlora-pipeline start embedded-default --set ...` sends
+        assert _keys_on_disk(runs) == _keys_of(cli)
+        assert run.state.message.startswith("adapter v0001 promoted: first version"), run.state.message
+        assert "promoted" in run.tags
+        (samples,) = _artifacts(run.id, "eval-samples")  # answers learned on the answers only, then generated
+        rows = json.loads(samples.data) if isinstance(samples.data, str) else samples.data
+        assert len(rows) == 4 and list(rows[0])[:3] == ["tuned answer", "base answer", "reference answer"], rows[0]
+        cells = [str(v) for row in rows for v in row.values()]
+        assert any("\\#\\#\\# Instruction" in c for c in cells)  # escaped: text in the cell, not a heading
+        assert not any("\n" in c for c in cells)
+        again = _wait(v2.id)  # the V2 form's run: the same keys, so every stage is reused
+        assert again.state.type.value == "COMPLETED"
+        assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+
+        browser.get(f"http://127.0.0.1:{server['port']}/runs/flow-run/{run.id}")
         WebDriverWait(browser, 60).until(lambda b: "Completed" in b.page_source)
         browser.save_screenshot(str(SCREENSHOTS / "3-flow-run-completed.png"))
         browser.get_log("browser")  # drop what came before
         for number, key in ((4, "loss-curve"), (5, "train-progress"), (6, "eval-metrics"), (7, "eval-samples")):
-            (artifact,) = _artifacts(flow_run_id, key)
-            if key == "eval-samples":  # this data has no prompt/answer split: say so, not "0 held-out prompts"
-                assert artifact.description.startswith("No held-out prompts answered"), artifact.description
+            (artifact,) = _artifacts(run.id, key)
             browser.get(f"http://127.0.0.1:{server['port']}/artifacts/artifact/{artifact.id}")
             if key == "loss-curve":  # the PNG inline in the markdown, loaded by the browser from the page itself
                 WebDriverWait(browser, 60).until(lambda b: b.execute_script(

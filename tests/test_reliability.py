@@ -334,6 +334,35 @@ def test_failure_card_keeps_placeholders_and_says_what_to_change(prefect_env: Pa
     assert "lora.target\\_modules names q\\_projj" in card  # the message as text, not markdown
     assert "If it names a config field, start a new run with the field changed" in card
     assert "Retry would run the same parameters" in card
+    # the command names the field the message names (a run of `qlora-pipeline run`: that command)
+    assert "`qlora-pipeline run --set lora.target_modules=<new value>`" in card and "SECTION.FIELD" not in card
+
+
+@pytest.mark.parametrize(("message", "retry_helps"), [
+    ("Validation of flow parameters failed with error: ParameterTypeError: Flow run received invalid parameters:\n"
+     " - config.train.max_steps: Value error, 0 steps would train nothing", False),
+    ("Flow run encountered an exception: UserError: data.source='/data/x.jsonl': no such file.", True),
+    ("Crashed: the flow-run process exited with -9 (SIGKILL)", True),
+    (None, True),
+])
+def test_failure_alert_gives_the_cards_advice(message: str | None, retry_helps: bool) -> None:
+    """The alert's body, rendered as Prefect's server renders it (a sandboxed Jinja template), advises Retry exactly
+    where the run-failure card does; for refused parameters neither does."""
+    import yaml
+    from jinja2 import ChainableUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from deployments.setup import HERE
+    from tasks.artifacts import _next_step
+
+    (automation,) = yaml.safe_load((HERE / "automations.yaml").read_text())["automations"]
+    environment = ImmutableSandboxedEnvironment(undefined=ChainableUndefined)
+    environment.filters["ui_url"] = lambda run: f"http://127.0.0.1:4200/runs/flow-run/{run['id']}"
+    run = {"name": "calm-otter", "id": "0b6f", "state": {"name": "Failed", "message": message}}
+    body = environment.from_string(automation["actions"][0]["body"]).render(flow_run=run)
+    card = _next_step(message or "no message", "0b6f", "`qlora-pipeline start embedded-default --set x=<new value>`")
+    assert ("press Retry" in body) == retry_helps == ("press **Retry**" in card), body
+    assert "prefect flow-run retry 0b6f" in body if retry_helps else "Retry would run the same parameters" in body
 
 
 @pytest.mark.slow  # waits on purpose
@@ -374,7 +403,8 @@ def test_form_schema_has_no_const_and_no_null_toggle() -> None:
     text = json.dumps(schema)
     assert '"const"' not in text and '{"type": "null"}' not in text
     lora = schema["definitions"]["LoraArgs"]["properties"]["target_modules"]
-    assert {"enum": ["all-linear"], "type": "string"} in lora["anyOf"]
+    branches = [{k: b[k] for k in ("enum", "type") if k in b} for b in lora["anyOf"]]  # titled for the form
+    assert {"enum": ["all-linear"], "type": "string"} in branches
     assert schema["definitions"]["TrainArgs"]["properties"]["optim"]["type"] == "string"
     # a full config (its nulls included) still validates as Prefect's server validates deployment parameters
     full = load_config(None, ["train.optim=adamw_torch", "data.name=x"])

@@ -107,6 +107,34 @@ def test_sweep_artifacts_compare_every_candidate(first: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow  # whole sweeps under the test server
+def test_sweep_names_each_candidate_and_says_the_verdict(first: dict[str, Any]) -> None:
+    """Each candidate's task runs and artifacts carry its name and overrides (they share one flow run); the verdict
+    is the flow run's final state message and a tag; eval-samples shows the answers first."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = first["state"].state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        names = {r.name for r in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[flow_run_id])))}
+        tags = client.read_flow_run(flow_run_id).tags
+    labels = {c["name"]: ", ".join(f"{k}={v}" for k, v in c["overrides"].items())
+              for c in first["summary"]["candidates"]}
+    for name, label in labels.items():
+        assert {f"train_adapter-{name} ({label})", f"evaluate_adapter-{name} ({label})"} <= names, names
+        for key in ("train-progress", "loss-curve", "train-adapter", "evaluate-adapter", "eval-samples"):
+            (artifact,) = _artifacts(flow_run_id, f"{key}-{name}")
+            assert artifact.description.startswith(f"{name} ({label}): "), artifact.description
+    (samples,) = _artifacts(flow_run_id, f"eval-samples-{first['summary']['winner']}")
+    rows = json.loads(samples.data) if isinstance(samples.data, str) else samples.data
+    assert list(rows[0])[:3] == ["tuned answer", "base answer", "reference answer"] and list(rows[0])[-1] == "prompt"
+    winner = first["summary"]["winner"]
+    assert first["state"].message.startswith(f"winner {winner} ({labels[winner]}) of 4: adapter v0001 promoted: "
+                                             "first version"), first["state"].message
+    assert "promoted" in tags
+
+
+@pytest.mark.slow  # whole sweeps under the test server
 def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     from flows.qlora_sweep import qlora_sweep
 

@@ -115,8 +115,8 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
             samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
             outputs = _write(stage.dir, metrics, samples, results, False)
             logger().info("evaluate_adapter: %s", json.dumps(metrics))
-            artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the "
-                            "base model and by base + adapter, scored against the chosen answer")
+            artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
+                                   "and by base + adapter, scored against the chosen answer")
             stage.finish(outputs, metrics)
             return str(stage.dir)
         examples = ParquetExamples(Path(data_dir) / "eval.parquet")
@@ -141,9 +141,8 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         metrics = {**_metrics(results, refs, count, args), **_rival(judged)}
         outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
         logger().info("evaluate_adapter: %s", _readable(metrics))
-        artifacts.table("eval-samples", samples, f"{len(samples)} held-out prompts answered greedily by the base "
-                        f"model and by base + adapter (max {args.max_new_tokens} new tokens)" if samples else
-                        _NO_SAMPLES)
+        artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
+                               f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
         stage.finish(outputs, metrics)
         return str(stage.dir)
 

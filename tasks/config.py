@@ -421,6 +421,11 @@ class ExportArgs(_Section):
     merged_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype of the merged model's weights.",
     )
+    accept_new_measure: bool = Field(
+        False, description="Compare with the champion even when this run's evaluation measures something else than "
+        "the champion's did (another data format, loss mask or chat template): the champion is scored the new way on "
+        "this run's eval data and the better one wins. Off: such a version is not promoted, and its verdict says why.",
+    )
     # 2GB, not transformers' 5GB: the manifest hashes one file per thread, so the largest shard bounds the hash; the
     # merged 8B model's 16 GB took 5.4 s in 5 GB shards on the H200 host (bench/README.md, "Issue 24, seventh pass")
     max_shard_size: str = Field("2GB", description="Largest safetensors shard of the merged model (save_pretrained).")

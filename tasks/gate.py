@@ -122,11 +122,11 @@ def verdict(record: dict[str, Any], current: dict[str, Any] | None, champion_for
         return (*_formats_verdict(record["formats"], champion_formats, current["version"]), "same-adapter")
     unlike = _unlike(record.get("measure"), champion_measure, current["version"]) if current is not None else ""
     if unlike and not accept_new_measure:
-        return "rejected", unlike + _HOW_TO_ACCEPT, "unlike"
-    accepted = f"{unlike}; new measure accepted (export.accept_new_measure): " if unlike else ""
+        return "rejected", f"not compared with champion {current['version']}: {unlike}{_HOW_TO_ACCEPT}", "unlike"
+    accepted = f"new measure accepted (export.accept_new_measure): {unlike}; " if unlike else ""
     if unlike and rule(metrics, current) != "same-data":  # the champion's own numbers are of the old measure
         promotion, reason = _first(metrics, margin)
-        return promotion, f"{accepted}against the base model instead: {reason.removeprefix(_FIRST)}", "first"
+        return promotion, f"{accepted}judged against the base model instead: {reason.removeprefix(_FIRST)}", "first"
     promotion, reason = gate(metrics, current, margin, eval_data, why_not_same_data)
     return promotion, accepted + reason, rule(metrics, current)
 
@@ -158,8 +158,7 @@ def _unlike(mine: dict[str, Any] | None, theirs: dict[str, Any] | None, version:
     else the sentence that says how they differ."""
     if mine is None or theirs is None or mine == theirs:
         return ""
-    return (f"not compared with champion {version}: this run's evaluation measures {_describe(mine)}, champion "
-            f"{version}'s measured {_describe(theirs)}")
+    return f"this run's evaluation measures {_describe(mine)}, champion {version}'s measured {_describe(theirs)}"
 
 
 def _describe(measure: dict[str, Any]) -> str:

@@ -192,6 +192,79 @@ def test_dpo_champion_is_scored_with_the_same_rewards(stages: dict[str, Any], tm
     assert "tuned reward accuracy" in exported["promotion_reason"]
 
 
+# --- the same data whenever a champion exists, like with like, formats (issue 41) --------------------------------
+
+def test_an_evaluation_cached_from_before_the_champion_is_judged_on_the_same_data(nights: dict[str, Any]) -> None:
+    """weak's evaluation was computed before v0002 became champion; exported again (other settings, as a
+    formats-only re-export is), the champion is still scored on its eval data instead of the cross-night fallback."""
+    first_eval, first = _night(nights, "cached", "easy", "weak")
+    _, second = _night(nights, "cached", "easy", "strong")
+    assert (first["promotion"], second["promotion"], second["gate_rule"]) == ("promoted", "promoted", "same-data")
+    export = ExportArgs(name="cached", promotion_margin=MARGIN, max_shard_size="1GB")
+    again_eval, again = _night(nights, "cached", "easy", "weak", export=export)
+    assert again_eval == first_eval  # the evaluation was reused
+    assert (again["export_version"], again["judged_against"], again["gate_rule"], again["promotion"]) == (
+        "v0003", "v0002", "same-data", "rejected")
+    assert "champion v0002's" in again["promotion_reason"] and "(same-data rule)" in again["promotion_reason"]
+    # an unchanged re-run: the export is cached, so nothing is scored and nothing loaded
+    assert score_champion.fn(EVAL, nights["runs"], nights["easy"], nights["model"], nights["weak"], again_eval,
+                             export) is None
+
+
+@pytest.mark.slow  # three merged exports, two with GGUF files (~25 s)
+def test_a_formats_only_reexport_gives_the_champion_its_formats(nights: dict[str, Any]) -> None:
+    """The serving example: the champion's adapter exported again with merge and GGUF becomes the champion with
+    those formats, not a rejected copy; fewer formats are not promoted; the same formats are the champion already."""
+    _night(nights, "serve", "easy", "strong")
+    root = registry.registry_dir(nights["runs"], "serve")
+    gguf = ExportArgs(name="serve", promotion_margin=MARGIN, merge=True, gguf=["q8_0"])
+    _, second = _night(nights, "serve", "easy", "strong", export=gguf)
+    assert (second["export_version"], second["promotion"], second["gate_rule"], second["champion_version"]) == (
+        "v0002", "promoted", "same-adapter", "v0002")
+    assert second["promotion_reason"].startswith("same adapter as champion v0001 (identical weights, same base "
+                                                 "model), with formats added (")
+    assert "gguf model-q8_0" in second["promotion_reason"] and "merged bfloat16" in second["promotion_reason"]
+    assert second.get("judged_against") is None  # identical weights: nothing to score
+    champion = root / registry.champion(root)["version"]
+    assert (champion / "gguf" / "model-q8_0.gguf").is_file() and (champion / "merged" / "config.json").is_file()
+    _, fewer = _night(nights, "serve", "easy", "strong", export=gguf.model_copy(update={"gguf": []}))
+    assert (fewer["export_version"], fewer["promotion"], fewer["champion_version"]) == ("v0003", "rejected", "v0002")
+    assert "not promoted: it lacks the champion's gguf " in fewer["promotion_reason"]
+    _, same = _night(nights, "serve", "easy", "strong", export=gguf.model_copy(update={"max_shard_size": "1GB"}))
+    assert (same["export_version"], same["champion_version"], same["gate_rule"]) == ("v0002", "v0002",
+                                                                                      "same-adapter")
+    assert same["promotion_reason"].endswith("with the same formats: nothing to add: not published again")
+    assert [r["version"] for r in registry.versions(root)] == ["v0001", "v0002", "v0003"]
+
+
+def test_the_gate_compares_like_with_like(nights: dict[str, Any]) -> None:
+    """A challenger evaluated on whole texts against a champion chosen on answers only (the Prefect form's run of
+    the issue) is not promoted on that comparison; export.accept_new_measure adopts the new measure deliberately."""
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.train_adapter.stage import train_adapter
+
+    runs = nights["runs"]
+    source = read_manifest(Path(nights["easy"])).params["data"]["source"]
+    full = prepare_data.fn(DataArgs(source=source, completion_only_loss=False), ModelArgs(), runs)
+    n = {**nights, "full": full, "full-text": train_adapter.fn(
+        LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=12, learning_rate=0.02, logging_steps=1), SpeedArgs(), runs,
+        full, nights["model"])}
+    _night(n, "measure", "easy", "strong")
+    _, unlike = _night(n, "measure", "full", "full-text")
+    assert (unlike["export_version"], unlike["promotion"], unlike["gate_rule"], unlike["champion_version"]) == (
+        "v0002", "rejected", "unlike", "v0001")
+    reason = unlike["promotion_reason"]
+    assert reason.startswith("not compared with champion v0001: this run's evaluation measures the loss on whole "
+                             "texts (dolly data), champion v0001's measured the loss on answers only (dolly data)")
+    assert "run again with export.accept_new_measure=true" in reason and "a new export.name" in reason
+    accept = ExportArgs(name="measure", promotion_margin=MARGIN, accept_new_measure=True)
+    _, accepted = _night(n, "measure", "full", "full-text", export=accept)
+    assert (accepted["export_version"], accepted["gate_rule"], accepted["judged_against"]) == ("v0003", "same-data",
+                                                                                               "v0001")
+    assert accepted["promotion_reason"].startswith("new measure accepted (export.accept_new_measure): this run's "
+                                                   "evaluation measures the loss on whole texts")
+
+
 # --- history -------------------------------------------------------------------------------------------------
 
 def _weights(folder: Path, value: float = 1.0) -> None:

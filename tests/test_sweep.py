@@ -158,6 +158,9 @@ def test_a_failed_candidate_fails_alone(first: dict[str, Any]) -> None:
     assert [(c["name"], c["status"]) for c in record["candidates"]] == [("c2", "finished"), ("c1", "failed")]
     assert record["winner"] == "c2" and record["export"]["export_version"] == "v0002"
     assert record["export"]["promotion"] == "rejected"  # the grid's worst does not beat the grid's best
+    # its evaluation is reused from before v0001 existed, and v0001 is still scored beside it on the same data
+    assert "champion v0001's" in record["export"]["promotion_reason"]
+    assert "(same-data rule)" in record["export"]["promotion_reason"]
     (comparison,) = _artifacts(flow_run_id, "sweep-comparison")
     rows = _table_rows(comparison.data)
     assert [r[:2] for r in rows] == [["1", "c2"], ["-", "c1"]]

@@ -458,7 +458,10 @@ def publish(root: Path, source: Path, stage_key: str, metrics: dict[str, Any], m
                                                 current and _measure(root, current), why, accept_new_measure)
         if decided_by == "same-adapter" and nothing_to_add(reason):  # it is the champion already
             _keep_published(root / current["version"], source)
-            return {**current, "published_now": False, "reason": f"{reason}: not published again", "rule": decided_by}
+            own = {k: v for k, v in current["metrics"].items() if not k.startswith("champion_")
+                   and k != "judged_against"}  # whom the champion was judged against is not this run's verdict
+            return {**current, "metrics": own, "published_now": False, "reason": f"{reason}: not published again",
+                    "rule": decided_by}
         record = {**record, "promotion": promotion, "reason": reason, "rule": decided_by}
         published = source / PUBLISHED
         published.mkdir(exist_ok=True)

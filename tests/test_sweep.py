@@ -104,7 +104,7 @@ def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     assert state.is_completed(), state.message
     states = settled_task_states(state.state_details.flow_run_id)
     assert {k: set(v) for k, v in states.items()} == {k: {"Cached"} for k in (
-        "prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter")}
+        "prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "score_champion", "export_adapter")}
     assert len(states["train_adapter"]) == 4 and len(states["evaluate_adapter"]) == 4
     assert _stage_dirs(first["runs_dir"]) == before  # no stage folder added
     assert state.result()["winner"] == first["summary"]["winner"]

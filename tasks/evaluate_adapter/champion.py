@@ -11,8 +11,9 @@ champion in evaluate_adapter's key, an evaluation cached from before the current
 re-export, a sweep's candidates, another export.name) left the gate without same-data numbers. Here the champion
 is the one of the moment, scored on the same batches and prompts as the adapter (evaluation is deterministic: the
 numbers equal those of the same pass) and remembered per (champion, eval data, model, settings, device), so it is
-computed once. Nothing is scored, and nothing loaded, when no verdict needs it: no champion yet, the champion is
-this very adapter (the gate judges its formats), this evaluation is already published with these export settings
+computed once; Prefect caches the task by (this evaluation, the champion it scores), so an unchanged re-run shows
+it Cached. Nothing is scored, and nothing loaded, when no verdict needs it: no champion yet, the champion is this
+very adapter (the gate judges its formats), this evaluation is already published with these export settings
 (export_adapter is then cached), or the champion cannot be scored here (another base model, no recorded hashes,
 damaged beyond repair: the gate falls back to its own night's numbers and says why).
 """
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
 
 from tasks import registry
 from tasks.config import EvalArgs, ExportArgs
@@ -46,12 +49,31 @@ from tasks.examples import ParquetExamples
 from tasks.gate import WEIGHTS, identity, same_adapter
 from tasks.limits import cpu_share
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, file_sha256, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, file_sha256, hash_json, read_manifest
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 
-# not a stage: no folder of its own and no cache (the champion is read as it is now); its results are memoised
-@task(name="score_champion", cache_policy=NO_CACHE, persist_result=False)
+@dataclass
+class _ChampionCache(CachePolicy):
+    """Prefect's cache key of score_champion: this evaluation (its stage key) and the champion it would score (its
+    identity; none when nothing is to be scored, whatever the reason: the result is None then). An unchanged re-run,
+    also the first one after this adapter's own promotion, shows Cached; a new champion to score is scored."""
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        try:
+            root = registry.registry_dir(inputs["runs_dir"], inputs["export"].name)
+            current = registry.champion(root)
+            why = _nothing_to_score(root, current, Path(inputs["model_dir"]), Path(inputs["adapter_dir"]),
+                                    Path(inputs["eval_dir"]), inputs["export"], fix=False)
+        except Exception:  # noqa: BLE001 - no key: the task runs, and raises what it meets there, once
+            return None
+        scored = None if why else identity(current)
+        return "score_champion-" + hash_json([Path(inputs["eval_dir"]).name, scored, str(inputs["runs_dir"])])[:24]
+
+
+# not a stage: no folder of its own; its results are remembered in the evaluation memo and by Prefect (_ChampionCache)
+@task(name="score_champion", cache_policy=_ChampionCache(), persist_result=True)
 def score_champion(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str, eval_dir: str,
                    export: ExportArgs) -> dict[str, Any] | None:
     """The champion of export.name scored on this run's eval data (champion_* metrics, judged_against,
@@ -78,8 +100,9 @@ def score_champion(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str
 
 
 def _nothing_to_score(root: Path, current: dict[str, Any] | None, model_dir: Path, adapter_dir: Path,
-                      eval_dir: Path, export: ExportArgs) -> str:
-    """Why no verdict needs the champion scored now ('' when one does)."""
+                      eval_dir: Path, export: ExportArgs, fix: bool = True) -> str:
+    """Why no verdict needs the champion scored now ('' when one does); `fix`: a champion with damaged files is
+    restored from its export stage folder first (and the fallback is logged)."""
     if current is None:
         return "no champion yet"
     base_model = registry.base_identity(model_dir)
@@ -88,8 +111,8 @@ def _nothing_to_score(root: Path, current: dict[str, Any] | None, model_dir: Pat
     published = registry.published_as(root, eval_dir.name, export.model_dump(mode="json"))
     if published is not None:
         return f"this evaluation was published as {published['version']} with these export settings"
-    why = registry.unusable(root, current, base_model)
-    if why:
+    why = registry.unusable(root, current, base_model, fix=fix)
+    if why and fix:
         logger().warning("score_champion: the champion is not scored on this run's data: %s; the promotion gate "
                          "falls back to its own night's numbers", why)
     return why

@@ -265,7 +265,7 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
 
 
 def _samples(prompts: list[str], refs: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per greedy prompt: the reference, then each model's answer (base, tuned[, champion]), then scores."""
+    """One row per greedy prompt: the reference, then each model's answer (base, tuned), then their scores."""
     rows = []
     for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
         answers = {who: r["answers"][i] for who, r in results.items()}

@@ -460,19 +460,36 @@ def _user_error(message: str) -> int:
 
 
 def _history(name: str | None, runs_dir: Path | None) -> int:
-    """Print the registry-history table (the same as the run artifact) of one exports registry."""
+    """Print the registry-history table (the same as the run artifact) of one exports registry, after repairing its
+    damaged records (the registry's heal); a record nothing can restore is the one paragraph, after the table."""
+    from pydantic import ValidationError
+
     from tasks import registry
     from tasks.artifacts import history_markdown
     from tasks.config import ExportArgs, RunConfig
+    from tasks.errors import UserError
 
-    name = name or ExportArgs().name
+    try:  # validated as export.name is: '..', '/etc' or 'a/b' would read outside runs_dir/exports
+        name = ExportArgs(name=name).name if name is not None else ExportArgs().name
+    except ValidationError as exc:
+        why = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+        return _user_error(f"--export-name {name!r}: {why}. Give the export.name of the runs.")
     root = registry.registry_dir(runs_dir or RunConfig().runs_dir, name)
     if not root.is_dir():
         return _user_error(f"no exports registry {name!r} at {root}: give --runs-dir (the runs_dir of the runs) and "
                            "--export-name (their export.name).")
+    problem = ""
+    try:
+        for repaired in registry.heal(root):
+            print(f"repaired: {repaired}", file=sys.stderr)
+    except UserError as exc:
+        problem = str(exc)
+    except OSError as exc:  # a registry this user may read but not write
+        problem = (f"the exports registry {name} has damaged records, and repairing them failed: {exc}. Run this "
+                   "command (or the pipeline) as a user who can write to it.")
     print(f"registry {name} ({root})\n")
     print(history_markdown(registry.history(root)), end="")
-    return 0
+    return _user_error(problem) if problem else 0
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

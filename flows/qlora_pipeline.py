@@ -9,12 +9,14 @@ from prefect import flow
 from tasks import tracking
 from tasks.artifacts import failure_summary, verdict
 from tasks.config import RunConfig
+from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.exports import check_init_adapter
 from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
+from tasks.registry import check_registry
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
 from tasks.tested_versions import warn_untested_versions
@@ -39,13 +41,15 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     """
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     runs = config.runs_dir
+    check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     tracking.check(config)  # so does a tracking server that does not answer, or a URI with a secret in it
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)
     adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)
-    eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir, config.export.name)
-    export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
+    eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
+    judged = score_champion(config.eval, runs, data_dir, model_dir, adapter_dir, eval_dir, config.export)
+    export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir, judged)
     summary = record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])
     return verdict(summary, summary["metrics"])  # the registry's verdict as the run's final state message and tag

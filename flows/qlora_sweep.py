@@ -10,11 +10,13 @@ from prefect import flow
 from tasks import sweep, tracking
 from tasks.artifacts import failure_summary
 from tasks.config import RunConfig
+from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
+from tasks.registry import check_registry
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
 from tasks.tested_versions import warn_untested_versions
@@ -57,6 +59,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
+    check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
@@ -69,7 +72,8 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
                                                  model_dir) for c in plan.candidates])
         ranking = sweep.rank(plan, trained, evaluated, data_dir, track)
     best = ranking.winner
-    export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir)
+    judged = score_champion(config.eval, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, config.export)
+    export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, judged)
     winner = best.candidate.config.model_copy(update={"track": track})  # its tracked run: a child of the sweep's
     run = record_run(winner, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir])
     return sweep.report(ranking, run)

@@ -521,6 +521,11 @@ class ExportArgs(_Section):
     # (docs/performance.md, "The whole job")
     max_shard_size: str = Field("2GB", description="Largest weights file of the merged model (smaller files are "
                                 "checked in parallel).")
+    accept_new_measure: bool = Field(
+        False, description="Compare with the champion even when this run's evaluation measures something else than "
+        "the champion's did (another data format, loss mask or chat template): the champion is scored the new way on "
+        "this run's eval data and the better one wins. Off: such a version is not promoted, and its verdict says why.",
+    )
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = Field(
         default_factory=list, description="Also write the merged model as GGUF files for llama.cpp and Ollama, one "
         "per type (e.g. [q8_0] or [f16, q4_0]), with an Ollama Modelfile and the adapter as a GGUF LoRA, in gguf/. "

@@ -1,21 +1,21 @@
 """An exported adapter named by folder or as `champion:NAME` (train.init_adapter), resolved to its folder through
 the exports registry (tasks/registry.py) and verified before use.
 
-A registry version (and so a champion) is checked against the sha256 its version record holds; a damaged champion
-is first restored from its export stage folder, as the registry repairs itself. An export stage folder is checked
-against its manifest. Any other folder has no recorded hashes: only its safetensors header is checked to load, so a
-same-size corruption inside the weights cannot be seen there.
+A folder holding a version record (version.json) is checked against the sha256 the record holds, wherever it lies:
+a registry's own version folder, or a copy of one elsewhere, renamed or not; a copy whose version.json is damaged
+cannot be verified and is refused. A damaged champion is first restored from its export stage folder, as the
+registry repairs itself (a copy elsewhere is not the registry's to repair). An export stage folder is checked
+against its manifest. Any other folder has no recorded hashes: only its safetensors header is checked to load, so
+a same-size corruption inside the weights cannot be seen there.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from tasks.errors import UserError
 from tasks.manifest import MANIFEST, check_stage
-from tasks.registry import ADAPTER_FILES, VERSION_FILE, champion, damage, registry_dir, repaired
+from tasks.registry import ADAPTER_FILES, VERSION_FILE, champion, damage_in, read_record, registry_dir, repaired
 
 _FIX = ("Publish it again (re-run the pipeline that exported it), or name another adapter folder "
         "(runs_dir/exports/NAME/vNNNN) or 'champion:NAME'.")
@@ -24,6 +24,7 @@ _FIX = ("Publish it again (re-run the pipeline that exported it), or name anothe
 def resolve_adapter(spec: str, runs_dir: Path) -> Path:
     """The adapter folder that `spec` names, verified: a folder holding adapter_config.json (or its adapter/
     subfolder), or `champion:NAME`, the current champion of registry NAME under runs_dir."""
+    root = None  # the registry whose champion the folder is
     if spec.startswith("champion:"):
         name = spec.removeprefix("champion:")
         root = registry_dir(runs_dir, name)
@@ -41,17 +42,21 @@ def resolve_adapter(spec: str, runs_dir: Path) -> Path:
     if missing:
         raise UserError(f"train.init_adapter={spec!r}: {folder} lacks {', '.join(missing)}. Name an exported "
                         "adapter folder (runs_dir/exports/NAME/vNNNN) or 'champion:NAME'.")
-    problem = _damage(folder, repair=spec.startswith("champion:"))
+    problem = _damage(folder, champion_of=root)
     if problem:
         raise UserError(f"train.init_adapter={spec!r} cannot be used: {problem}. Nothing was trained from it. {_FIX}")
     return folder.resolve()
 
 
-def _damage(folder: Path, repair: bool) -> str:
-    """What is wrong with an adapter folder's files, by the strongest check its kind allows ('' if none)."""
-    record = _record(folder)
+def _damage(folder: Path, champion_of: Path | None) -> str:
+    """What is wrong with an adapter folder's files, by the strongest check its kind allows ('' if none);
+    `champion_of`: the registry whose champion this folder is (then repaired from its export stage folder)."""
+    record, problem = read_record(folder / VERSION_FILE)
+    if problem:
+        return (f"{folder / VERSION_FILE} {problem}, so the folder's files cannot be verified against the sha256 "
+                "it recorded")
     if record is not None and record.get("files"):
-        return repaired(folder.parent, record) if repair else damage(folder.parent, record)
+        return repaired(champion_of, record) if champion_of is not None else damage_in(folder, record)
     if (folder / MANIFEST).is_file():  # an export stage folder (or a train_adapter one) vouches for its files
         manifest, why = check_stage(folder)
         return "" if manifest is not None else f"{folder}: {why}"
@@ -59,15 +64,6 @@ def _damage(folder: Path, repair: bool) -> str:
         manifest, why = check_stage(folder.parent)
         return "" if manifest is not None else f"{folder.parent}: {why}"
     return _header_damage(folder / ADAPTER_FILES[1])
-
-
-def _record(folder: Path) -> dict[str, Any] | None:
-    """The version record of a registry version folder, else None."""
-    try:
-        record = json.loads((folder / VERSION_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("version") == folder.name else None
 
 
 def _header_damage(weights: Path) -> str:

@@ -151,8 +151,27 @@ class TrainMetrics(_Metrics):
     devices: list[str] | None = None  # the GPUs of the pool it trained on (CUDA_VISIBLE_DEVICES); None: no pool
 
 
-class EvalMetrics(_Metrics):
-    """evaluate_adapter: base vs tuned on the held-out split."""
+class ChampionScores(_Metrics):
+    """The export registry's champion scored on a run's eval data, on the same batches and prompts as the adapter
+    (evaluate_adapter's score_champion; README: Nightly retraining); absent when there is none or it cannot be
+    scored (another base model, damaged, an old record)."""
+
+    judged_against: str | None = None  # the champion's version (champion_version is the export's: champion now)
+    champion_adapter: str | None = None  # its identity: a hash of its adapter files' sha256, not a path
+    champion_eval_loss: float | None = None
+    champion_perplexity: float | None = None
+    champion_exact_match: float | None = None
+    champion_rouge_l: float | None = None
+    champion_reward_accuracy: float | None = None
+    champion_reward_margin: float | None = None
+    champion_chosen_logps: float | None = None
+    champion_rejected_logps: float | None = None
+    champion_preference_accuracy: float | None = None
+
+
+class EvalMetrics(ChampionScores):
+    """evaluate_adapter: base vs tuned on the held-out split (the champion_* fields: manifests written before the
+    champion was scored apart, by score_champion)."""
 
     base_eval_loss: float
     tuned_eval_loss: float
@@ -182,32 +201,23 @@ class EvalMetrics(_Metrics):
     tuned_rejected_logps: float | None = None
     base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
     tuned_preference_accuracy: float | None = None
-    # the export registry's champion, scored in the same pass on the same batches and prompts (docs/registry.md,
-    # the same-data rule); absent when there is none or it cannot be scored (another base model, damaged, old record)
-    judged_against: str | None = None  # the champion's version (champion_version is the export's: champion now)
-    champion_adapter: str | None = None  # its identity: a hash of its adapter files' sha256, not a path
-    champion_eval_loss: float | None = None
-    champion_perplexity: float | None = None
-    champion_exact_match: float | None = None
-    champion_rouge_l: float | None = None
-    champion_reward_accuracy: float | None = None
-    champion_reward_margin: float | None = None
-    champion_chosen_logps: float | None = None
-    champion_rejected_logps: float | None = None
-    champion_preference_accuracy: float | None = None
+    # where the base model's results on this eval data are remembered (runs_dir/evaluate_adapter/.memo/<memo>), so
+    # the champion's are looked up there without loading the model (score_champion); None: eval.parquet unhashed
+    memo: str | None = None
 
 
-class ExportMetrics(_Metrics):
-    """export_adapter: the registry verdict for the version this stage published."""
+class ExportMetrics(ChampionScores):
+    """export_adapter: the registry verdict for the version this stage published, with the champion's scores the
+    gate compared (champion_*)."""
 
     export_name: str
     export_version: str
-    export_path: str
+    export_path: str  # relative to runs_dir (exports/<name>/vNNNN): the run summary names it under its own runs_dir
     promotion: str
     promotion_reason: str
     champion_version: str | None
     champion_tuned_eval_loss: float | None
-    gate_rule: str | None = None  # first | same-data | cross-night (tasks/registry.py gate)
+    gate_rule: str | None = None  # first | same-data | cross-night | same-adapter | unlike (tasks/gate.py)
 
 
 METRICS: dict[str, type[_Metrics]] = {"prepare_data": DataMetrics, "prepare_model": ModelMetrics,

@@ -12,7 +12,7 @@ from typing import Any
 from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
-from tasks.log import current_run_attempt, logger
+from tasks.log import current_run_attempt
 from tasks.manifest import Manifest, read_manifest
 
 
@@ -33,8 +33,10 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
     attempt = (current_run_attempt() or f"local-{os.getpid()}").replace(":", "-")
     run_dir = Path(config.runs_dir).resolve() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{attempt[:8]}"
     by_stage = {m.stage: m.metrics.model_dump() for m in manifests}
-    # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason, champion_*)
-    metrics = {**by_stage["evaluate_adapter"], **by_stage.get("export_adapter", {})}
+    # eval metrics plus the export's registry verdict (export_version, promotion, promotion_reason) and the champion
+    # it was judged against (champion_*); only the fields the export set, so an older export's cannot blank them
+    verdict = [m.metrics.model_dump(exclude_unset=True) for m in manifests if m.stage == "export_adapter"]
+    metrics = {**by_stage["evaluate_adapter"], **(verdict[0] if verdict else {})}
     if "export_adapter" in by_stage:  # the champion as champion.json says now, not when the export was computed
         metrics.update(registry_now(config, Path(stage_dirs[-1])),
                        export_published="by this run" if stages["export_adapter"]["status"] != "cached"
@@ -75,12 +77,14 @@ def write_run_folder(run_dir: Path, runs_dir: Path, files: dict[str, bytes]) -> 
 
 
 def registry_now(config: RunConfig, export_dir: Path) -> dict[str, Any]:
-    """Repair the registry from the export folder if needed; its champion as it is now, for the summary."""
+    """Repair the registry from the export folder if needed (repair logs what it did); its champion as it is now,
+    and this run's version under this runs_dir (the manifest holds it relative: a copied runs_dir names its copy)."""
     root = registry.registry_dir(config.runs_dir, config.export.name)
-    for fixed in registry.repair(root, export_dir):
-        logger().warning("registry %s: %s", config.export.name, fixed)
+    registry.repair(root, export_dir)
     now = registry.current(root)
-    return {"champion_version": now["champion_version"], "champion_tuned_eval_loss": now["champion_tuned_eval_loss"]}
+    version = read_manifest(export_dir).metrics.export_version
+    return {"champion_version": now["champion_version"], "champion_tuned_eval_loss": now["champion_tuned_eval_loss"],
+            "export_path": str(root / version)}
 
 
 _METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),

@@ -29,6 +29,7 @@ from tests.conftest import settled_task_states, task_states
 pytestmark = pytest.mark.slow  # whole flow runs against a real Prefect server
 
 STAGES = ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"]
+TASKS = [*STAGES, "score_champion"]  # the stages and the champion's scoring for the gate (not a stage)
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -193,7 +194,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
     config = _config(tmp_path / "runs", data)
     first = _wait(_start_run("embedded-default", config))
     assert first.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in settled_task_states(first.id).items()} == dict.fromkeys(STAGES, "Completed")
+    assert {k: v[-1] for k, v in settled_task_states(first.id).items()} == dict.fromkeys(TASKS, "Completed")
     keys = _artifact_keys(first.id)
     assert {"prepare-data", "prepare-model", "train-adapter", "evaluate-adapter", "export-adapter",
             "train-progress", "loss-curve", "eval-samples", "eval-metrics"} <= keys
@@ -209,7 +210,7 @@ def test_run_from_deployment_then_cached_rerun(server: dict[str, Any], tmp_path:
 
     again = _wait(_start_run("embedded-default", config))
     assert again.state.type.value == "COMPLETED"
-    assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(TASKS, "Cached")
     (progress,) = _artifacts(again.id, "train-progress")  # one per run, cached training included
     assert progress.data == 100.0 and "cached" in progress.description
 
@@ -241,7 +242,7 @@ def test_failed_run_notifies_and_retry_skips_finished_stages(server: dict[str, A
         client.set_flow_run_state(failed.id, Scheduled(message="Retried"), force=True)
     retried = _wait(failed.id)
     assert retried.state.type.value == "COMPLETED", (server["logs"] / "worker.log").read_text()[-3000:]
-    assert {k: v[-1] for k, v in settled_task_states(failed.id).items()} == dict.fromkeys(STAGES, "Cached")
+    assert {k: v[-1] for k, v in settled_task_states(failed.id).items()} == dict.fromkeys(TASKS, "Cached")
     assert {p: p.stat().st_mtime_ns for p in manifests} == manifests  # nothing recomputed
     (card,) = _artifacts(failed.id, "run-failure")
     assert card.data.startswith("## Resolved: the run completed on a later attempt"), card.data[:200]

@@ -108,7 +108,7 @@ def test_rerun_of_unchanged_config_is_cached_and_writes_nothing(default_run: dic
         runs = client.read_flow_runs(sort="START_TIME_DESC", limit=1)
     names = sorted(s for v in settled_task_states(runs[0].id).values() for s in v)
     assert str(runs[0].id).startswith(flow_run_id)
-    assert names == ["Cached"] * 5
+    assert names == ["Cached"] * 6  # the five stages and score_champion (the champion is this adapter)
     exports = default_run["runs_dir"] / "exports" / "adapter"
     assert sorted(p.name for p in exports.glob("v*")) == ["v0001"]  # a cached export publishes nothing
 
@@ -118,5 +118,6 @@ def test_eval_only_change_recomputes_exactly_two_stages(default_run: dict[str, A
     assert statuses(summary) == {"prepare_data": "cached", "prepare_model": "cached", "train_adapter": "cached",
                                  "evaluate_adapter": "computed", "export_adapter": "computed"}
     assert summary["metrics"]["eval_examples"] == 40
-    assert summary["metrics"]["export_version"] == "v0002"  # a new export stage key: a new registry version
-    assert summary["metrics"]["promotion"] in {"promoted", "rejected"} and summary["metrics"]["promotion_reason"]
+    # a new export stage key, but the champion's own adapter with nothing to add: no second copy of it
+    assert (summary["metrics"]["export_version"], summary["metrics"]["gate_rule"]) == ("v0001", "same-adapter")
+    assert summary["metrics"]["promotion_reason"].endswith("with the same formats: nothing to add: not published again")

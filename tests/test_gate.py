@@ -28,8 +28,8 @@ from tasks.config import (
     TrainArgs,
 )
 from tasks.errors import UserError
+from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
-from tasks.evaluate_adapter.stage import spec as eval_spec
 from tasks.export_adapter.stage import export_adapter
 from tasks.exports import resolve_adapter
 from tasks.manifest import MANIFEST, read_manifest
@@ -45,9 +45,9 @@ def _metrics(folder: str | Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def nights(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three eval sets (the sample data, and the same with 8 or 12 unpredictable words after every answer: harder
-    for both adapters, and at 12 harder for the strong one than for the weak one) and two adapters trained on the
-    sample data: strong (12 steps at a high rate) and weak (2 steps)."""
+    """Two eval sets (the sample data, and the same with 8 unpredictable words after every answer: harder for both
+    adapters, still easier than for the base model) and two adapters trained on the sample data: strong (12 steps at
+    a high rate) and weak (2 steps)."""
     from tasks.prepare_data.stage import prepare_data
     from tasks.train_adapter.stage import train_adapter
 
@@ -55,7 +55,7 @@ def nights(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     rows = [json.loads(line) for line in EMBEDDED_DATA.read_text().splitlines()[:200]]
     noise = [f"zq{i}" for i in range(50)]
     out = {**stages, "easy": stages["data"]}
-    for name, k in (("hard", 8), ("harder", 12)):  # unpredictable words after every answer: a harder eval split
+    for name, k in (("hard", 8),):  # unpredictable words after every answer: a harder eval split
         noisy = tmp_path_factory.mktemp(name) / f"{name}.jsonl"
         noisy.write_text("".join(json.dumps({**r, "response": f"{r['response']} {' '.join(rng.choices(noise, k=k))}"})
                                  + "\n" for r in rows))
@@ -68,69 +68,71 @@ def nights(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-def _night(n: dict[str, Any], name: str, data: str, adapter: str, runs: Path | None = None
-           ) -> tuple[str, dict[str, Any]]:
-    """One night's evaluation and export of `adapter` on `data` into registry `name` (under `runs`, default the
-    shared runs_dir, where the evaluation always goes): (eval dir, export metrics)."""
-    evaluated = evaluate_adapter.fn(EVAL, n["runs"], n[data], n["model"], n[adapter], name)
-    exported = export_adapter.fn(ExportArgs(name=name, promotion_margin=MARGIN), runs or n["runs"], n[data],
-                                 n["model"], n[adapter], evaluated)
+def _night(n: dict[str, Any], name: str, data: str, adapter: str, runs: Path | None = None,
+           export: ExportArgs | None = None) -> tuple[str, dict[str, Any]]:
+    """One night's evaluation, champion scoring and export of `adapter` on `data` into registry `name` (under
+    `runs`, default the shared runs_dir, where the evaluation always goes), as the flow runs them: (eval dir,
+    export metrics)."""
+    export = export or ExportArgs(name=name, promotion_margin=MARGIN)
+    evaluated = evaluate_adapter.fn(EVAL, n["runs"], n[data], n["model"], n[adapter])
+    judged = score_champion.fn(EVAL, runs or n["runs"], n[data], n["model"], n[adapter], evaluated, export)
+    exported = export_adapter.fn(export, runs or n["runs"], n[data], n["model"], n[adapter], evaluated, judged)
     return evaluated, _metrics(exported)
 
 
 def test_same_data_gate_promotes_a_better_adapter_the_old_rule_would_reject(nights: dict[str, Any]) -> None:
     first_eval, first = _night(nights, "better", "easy", "weak")
     assert (first["export_version"], first["promotion"], first["gate_rule"]) == ("v0001", "promoted", "first")
+    assert "beats the base model's" in first["promotion_reason"] and first.get("judged_against") is None
     second_eval, second = _night(nights, "better", "hard", "strong")  # a harder eval split tonight
     night1, night2 = _metrics(first_eval), _metrics(second_eval)
-    assert night2["judged_against"] == "v0001" and "judged_against" not in night1
+    assert second["judged_against"] == "v0001" and "judged_against" not in night2  # scored apart, not in the eval
     # the old rule: tonight's loss on harder data against the champion's loss on its own (easier) night
     assert night2["tuned_eval_loss"] > night1["tuned_eval_loss"] * (1 - MARGIN)
     # the same-data rule: the champion scored on tonight's data is worse than the challenger
-    assert night2["champion_eval_loss"] > night2["tuned_eval_loss"] / (1 - MARGIN)
+    assert second["champion_eval_loss"] > night2["tuned_eval_loss"] / (1 - MARGIN)
     assert (second["promotion"], second["gate_rule"]) == ("promoted", "same-data")
     assert "on this run's eval data (same-data rule)" in second["promotion_reason"]
-    assert f"champion v0001's {night2['champion_eval_loss']:.4f}" in second["promotion_reason"]
-    # the champion's same-run numbers are its own, on these batches: exactly as if evaluated alone on tonight's
-    # data (each adapter meets a freshly loaded base; a wrong adapter is 1e-2 off)
+    assert f"champion v0001's {second['champion_eval_loss']:.4f}" in second["promotion_reason"]
+    # the champion's same-data numbers are its own, on these batches: exactly as if evaluated alone on tonight's
+    # data (a wrong adapter is 1e-2 off)
     alone = _metrics(evaluate_adapter.fn(EVAL, nights["runs"], nights["hard"], nights["model"], nights["weak"]))
-    assert night2["champion_eval_loss"] == alone["tuned_eval_loss"]
-    assert night2["champion_rouge_l"] == alone["tuned_rouge_l"]
-    assert night2["base_eval_loss"] == alone["base_eval_loss"]
-    samples = [json.loads(s) for s in (Path(second_eval) / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 and all({"champion_output", "champion_rouge_l", "tuned_output"} <= set(s)
-                                     for s in samples)
+    assert second["champion_eval_loss"] == alone["tuned_eval_loss"]
+    assert second["champion_rouge_l"] == alone["tuned_rouge_l"]
     root = registry.registry_dir(nights["runs"], "better")
     record = json.loads((root / "v0002" / "version.json").read_text())
     assert record["rule"] == "same-data" and record["champion_before"]["version"] == "v0001"
+    assert record["metrics"]["champion_eval_loss"] == second["champion_eval_loss"]
     assert record["path"] == "exports/better/v0002" and not Path(record["source"]).is_absolute()
     card = (root / "v0002" / "README.md").read_text()
     assert "| metric | base | champion v0001 | tuned (this adapter) |" in card
-    assert f"| eval loss | {night2['base_eval_loss']:.4f} | {night2['champion_eval_loss']:.4f} | " in card
+    assert f"| eval loss | {night2['base_eval_loss']:.4f} | {second['champion_eval_loss']:.4f} | " in card
     assert registry.champion(root)["version"] == "v0002"
 
 
 def test_an_unchanged_rerun_after_its_promotion_stays_cached(nights: dict[str, Any]) -> None:
-    """Re-running night 2 after v0002 (its own adapter) became the champion: the same keys, nothing recomputed."""
-    evaluated, exported = _night(nights, "again", "easy", "weak")
+    """Re-running night 2 after v0002 (its own adapter) became the champion: the same keys, nothing recomputed,
+    nothing scored."""
+    _night(nights, "again", "easy", "weak")
     evaluated, exported = _night(nights, "again", "hard", "strong")
     assert exported["promotion"] == "promoted"
-    manifest = Path(evaluated) / MANIFEST
-    stamp = manifest.stat().st_mtime_ns
-    key = eval_spec(EVAL, nights["runs"], nights["hard"], nights["model"], nights["strong"], "again").key
-    assert key == Path(evaluated).name  # judged against v0001 (its champion_before), not itself
+    root = registry.registry_dir(nights["runs"], "again")
+    stage = root.parent.parent / registry.version_record(root, "v0002")["source"]
+    stamps = [(Path(d) / MANIFEST).stat().st_mtime_ns for d in (evaluated, stage)]
     again, metrics = _night(nights, "again", "hard", "strong")
-    assert again == evaluated and manifest.stat().st_mtime_ns == stamp
-    assert metrics["export_version"] == "v0002"
-    assert len(registry.versions(registry.registry_dir(nights["runs"], "again"))) == 2
+    assert again == evaluated and [(Path(d) / MANIFEST).stat().st_mtime_ns for d in (again, stage)] == stamps
+    assert metrics["export_version"] == "v0002" and len(registry.versions(root)) == 2
+    export = ExportArgs(name="again", promotion_margin=MARGIN)
+    assert score_champion.fn(EVAL, nights["runs"], nights["hard"], nights["model"], nights["strong"], evaluated,
+                             export) is None  # the champion is this adapter: nothing to score, nothing loaded
 
 
 def test_same_data_gate_rejects_a_worse_adapter_the_old_rule_would_promote(nights: dict[str, Any]) -> None:
-    first_eval, _ = _night(nights, "worse", "harder", "strong")  # the champion's night had the harder eval split
+    first_eval, _ = _night(nights, "worse", "hard", "strong")  # the champion's night had the harder eval split
     second_eval, second = _night(nights, "worse", "easy", "weak")
     night1, night2 = _metrics(first_eval), _metrics(second_eval)
     assert night2["tuned_eval_loss"] < night1["tuned_eval_loss"] * (1 - MARGIN)  # the old rule would promote it
-    assert night2["champion_eval_loss"] < night2["tuned_eval_loss"]  # on the same data the champion is better
+    assert second["champion_eval_loss"] < night2["tuned_eval_loss"]  # on the same data the champion is better
     assert (second["promotion"], second["gate_rule"]) == ("rejected", "same-data")
     assert registry.champion(registry.registry_dir(nights["runs"], "worse"))["version"] == "v0001"
 
@@ -141,7 +143,7 @@ def test_a_champion_that_cannot_be_scored_falls_back_to_the_cross_night_rule(nig
     for file in (root / "v0001" / registry.VERSION_FILE, root / registry.CHAMPION):  # as if on another base model
         file.write_text(json.dumps({**json.loads(file.read_text()), "base_model": "another"}))
     evaluated, exported = _night(nights, "fallback", "hard", "strong")
-    assert "judged_against" not in _metrics(evaluated)
+    assert exported.get("judged_against") is None and "judged_against" not in _metrics(evaluated)
     assert exported["gate_rule"] == "cross-night"
     assert "cross-night rule: champion v0001 was trained on another base model" in exported["promotion_reason"]
 
@@ -172,30 +174,114 @@ def test_dpo_champion_is_scored_with_the_same_rewards(stages: dict[str, Any], tm
                                "train.beta=0.5", "train.per_device_train_batch_size=8", "lora.r=4"])
         adapters.append(train_adapter.fn(c.lora, c.train, c.speed, runs, pairs, stages["model"]))
     ev = EvalArgs(max_samples=32, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=8)
-    first = evaluate_adapter.fn(ev, runs, pairs, stages["model"], adapters[0], "pref-gate")
-    export_adapter.fn(ExportArgs(name="pref-gate"), runs, pairs, stages["model"], adapters[0], first)
-    second = evaluate_adapter.fn(ev, runs, pairs, stages["model"], adapters[1], "pref-gate")
-    exported = _metrics(export_adapter.fn(ExportArgs(name="pref-gate"), runs, pairs, stages["model"], adapters[1],
-                                          second))
+    export = ExportArgs(name="pref-gate")
+    first = evaluate_adapter.fn(ev, runs, pairs, stages["model"], adapters[0])
+    judged = score_champion.fn(ev, runs, pairs, stages["model"], adapters[0], first, export)
+    first_export = _metrics(export_adapter.fn(export, runs, pairs, stages["model"], adapters[0], first, judged))
+    assert (first_export["promotion"], first_export["gate_rule"]) == ("promoted", "first")
+    assert "beats the base model's 0.500" in first_export["promotion_reason"]
+    second = evaluate_adapter.fn(ev, runs, pairs, stages["model"], adapters[1])
+    judged = score_champion.fn(ev, runs, pairs, stages["model"], adapters[1], second, export)
+    exported = _metrics(export_adapter.fn(export, runs, pairs, stages["model"], adapters[1], second, judged))
     alone, night2 = _metrics(first), _metrics(second)
-    # the champion's numbers as if evaluated alone: log-probabilities agree to ~1e-5 (two adapters in the layers),
-    # which can flip a near-tie pair, so the accuracy may differ by one pair of 32
-    assert night2["champion_reward_accuracy"] == pytest.approx(alone["tuned_reward_accuracy"], abs=1 / 32 + 1e-9)
-    assert night2["champion_reward_margin"] == pytest.approx(alone["tuned_reward_margin"], abs=1e-2)
-    assert night2["tuned_reward_accuracy"] < night2["champion_reward_accuracy"]  # one DPO step vs twenty
+    # the champion scored apart is scored as the adapter of its own evaluation was: the same numbers
+    assert exported["champion_reward_accuracy"] == alone["tuned_reward_accuracy"]
+    assert exported["champion_reward_margin"] == pytest.approx(alone["tuned_reward_margin"], abs=1e-6)
+    assert night2["tuned_reward_accuracy"] < exported["champion_reward_accuracy"]  # one DPO step vs twenty
     assert (exported["promotion"], exported["gate_rule"]) == ("rejected", "same-data")
     assert "tuned reward accuracy" in exported["promotion_reason"]
 
 
+# --- the same data whenever a champion exists, like with like, formats (issue 41) --------------------------------
+
+def test_an_evaluation_cached_from_before_the_champion_is_judged_on_the_same_data(nights: dict[str, Any]) -> None:
+    """weak's evaluation was computed before v0002 became champion; exported again (other settings, as a
+    formats-only re-export is), the champion is still scored on its eval data instead of the cross-night fallback."""
+    first_eval, first = _night(nights, "cached", "easy", "weak")
+    _, second = _night(nights, "cached", "easy", "strong")
+    assert (first["promotion"], second["promotion"], second["gate_rule"]) == ("promoted", "promoted", "same-data")
+    export = ExportArgs(name="cached", promotion_margin=MARGIN, max_shard_size="1GB")
+    again_eval, again = _night(nights, "cached", "easy", "weak", export=export)
+    assert again_eval == first_eval  # the evaluation was reused
+    assert (again["export_version"], again["judged_against"], again["gate_rule"], again["promotion"]) == (
+        "v0003", "v0002", "same-data", "rejected")
+    assert "champion v0002's" in again["promotion_reason"] and "(same-data rule)" in again["promotion_reason"]
+    # an unchanged re-run: the export is cached, so nothing is scored and nothing loaded
+    assert score_champion.fn(EVAL, nights["runs"], nights["easy"], nights["model"], nights["weak"], again_eval,
+                             export) is None
+
+
+@pytest.mark.slow  # three merged exports, two with GGUF files (~25 s)
+def test_a_formats_only_reexport_gives_the_champion_its_formats(nights: dict[str, Any]) -> None:
+    """The serving example: the champion's adapter exported again with merge and GGUF becomes the champion with
+    those formats, not a rejected copy; fewer formats are not promoted; the same formats are the champion already."""
+    _night(nights, "serve", "easy", "strong")
+    root = registry.registry_dir(nights["runs"], "serve")
+    gguf = ExportArgs(name="serve", promotion_margin=MARGIN, merge=True, gguf=["q8_0"])
+    _, second = _night(nights, "serve", "easy", "strong", export=gguf)
+    assert (second["export_version"], second["promotion"], second["gate_rule"], second["champion_version"]) == (
+        "v0002", "promoted", "same-adapter", "v0002")
+    assert second["promotion_reason"].startswith("same adapter as champion v0001 (identical weights, same base "
+                                                 "model), with formats added (")
+    assert "gguf model-q8_0" in second["promotion_reason"] and "merged bfloat16" in second["promotion_reason"]
+    assert second.get("judged_against") is None  # identical weights: nothing to score
+    champion = root / registry.champion(root)["version"]
+    assert (champion / "gguf" / "model-q8_0.gguf").is_file() and (champion / "merged" / "config.json").is_file()
+    _, fewer = _night(nights, "serve", "easy", "strong", export=gguf.model_copy(update={"gguf": []}))
+    assert (fewer["export_version"], fewer["promotion"], fewer["champion_version"]) == ("v0003", "rejected", "v0002")
+    assert "not promoted: it lacks the champion's gguf " in fewer["promotion_reason"]
+    _, same = _night(nights, "serve", "easy", "strong", export=gguf.model_copy(update={"max_shard_size": "1GB"}))
+    assert (same["export_version"], same["champion_version"], same["gate_rule"]) == ("v0002", "v0002",
+                                                                                      "same-adapter")
+    assert same["promotion_reason"].endswith("with the same formats: nothing to add: not published again")
+    assert [r["version"] for r in registry.versions(root)] == ["v0001", "v0002", "v0003"]
+
+
+def test_the_gate_compares_like_with_like(nights: dict[str, Any]) -> None:
+    """A challenger evaluated on whole texts against a champion chosen on answers only (the Prefect form's run of
+    the issue) is not promoted on that comparison; export.accept_new_measure adopts the new measure deliberately."""
+    from tasks.prepare_data.stage import prepare_data
+    from tasks.train_adapter.stage import train_adapter
+
+    runs = nights["runs"]
+    source = read_manifest(Path(nights["easy"])).params["data"]["source"]
+    full = prepare_data.fn(DataArgs(source=source, completion_only_loss=False), ModelArgs(), runs)
+    n = {**nights, "full": full, "full-text": train_adapter.fn(
+        LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=12, learning_rate=0.02, logging_steps=1), SpeedArgs(), runs,
+        full, nights["model"])}
+    _night(n, "measure", "easy", "strong")
+    _, unlike = _night(n, "measure", "full", "full-text")
+    assert (unlike["export_version"], unlike["promotion"], unlike["gate_rule"], unlike["champion_version"]) == (
+        "v0002", "rejected", "unlike", "v0001")
+    reason = unlike["promotion_reason"]
+    assert reason.startswith("not compared with champion v0001: this run's evaluation measures the loss on whole "
+                             "texts (dolly data), champion v0001's measured the loss on answers only (dolly data)")
+    assert "run again with export.accept_new_measure=true" in reason and "a new export.name" in reason
+    accept = ExportArgs(name="measure", promotion_margin=MARGIN, accept_new_measure=True)
+    _, accepted = _night(n, "measure", "full", "full-text", export=accept)
+    assert (accepted["export_version"], accepted["gate_rule"], accepted["judged_against"]) == ("v0003", "same-data",
+                                                                                               "v0001")
+    assert accepted["promotion_reason"].startswith("new measure accepted (export.accept_new_measure): this run's "
+                                                   "evaluation measures the loss on whole texts")
+
+
 # --- history -------------------------------------------------------------------------------------------------
+
+def _weights(folder: Path, value: float = 1.0) -> None:
+    """A small adapter_model.safetensors (publishing reads its weights)."""
+    from safetensors.torch import save_file
+    from torch import full
+
+    save_file({"base_model.model.lm_head.lora_A.weight": full((2, 2), value)}, folder / "adapter_model.safetensors")
+
 
 def _registry_of_three(tmp_path: Path) -> Path:
     root = tmp_path / "runs" / "exports" / "h"
     for i, (loss, champion_loss) in enumerate([(2.0, None), (1.9, 2.1), (1.95, 1.9)]):
         source = tmp_path / "runs" / "export_adapter" / f"k{i}"
         source.mkdir(parents=True)
-        (source / "adapter_model.safetensors").write_bytes(b"w%d" % i)
-        metrics = {"tuned_eval_loss": loss}
+        _weights(source, float(i))
+        metrics = {"tuned_eval_loss": loss, "base_eval_loss": 2.2}
         if champion_loss is not None:
             current = registry.champion(root)
             metrics.update(champion_eval_loss=champion_loss, judged_against=current["version"],

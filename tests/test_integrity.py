@@ -35,6 +35,7 @@ from tests.conftest import settled
 
 LORA, TRAIN = LoraArgs(r=4, lora_alpha=8), TrainArgs(max_steps=2, logging_steps=1)
 EVAL = EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=4)
+EXPORT = ExportArgs(promotion_margin=0.001)  # two steps beat the base model, by less than the default 1%
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["model"] = prepare_model.fn(ModelArgs(), runs)
     out["adapter"] = train_adapter.fn(LORA, TRAIN, SpeedArgs(), runs, out["data"], out["model"])
     out["eval"] = evaluate_adapter.fn(EVAL, runs, out["data"], out["model"], out["adapter"])
-    out["export"] = export_adapter.fn(ExportArgs(), runs, out["data"], out["model"], out["adapter"], out["eval"])
+    out["export"] = export_adapter.fn(EXPORT, runs, out["data"], out["model"], out["adapter"], out["eval"])
     return out
 
 
@@ -158,7 +159,7 @@ def test_registry_restores_a_deleted_version_and_champion(built: dict[str, Any])
     (root / registry.CHAMPION).unlink()
     assert registry.current(root)["champion_version"] is None
     # a reused export stage repairs the registry
-    export_adapter.fn(ExportArgs(), built["runs"], built["data"], built["model"], built["adapter"], built["eval"])
+    export_adapter.fn(EXPORT, built["runs"], built["data"], built["model"], built["adapter"], built["eval"])
     assert sorted(p.name for p in (root / version).iterdir()) == files
     assert registry.current(root)["champion_version"] == version
     # so does the run record (a stage Prefect reports as Cached never runs its body)

@@ -218,23 +218,32 @@ def test_init_adapter_starts_from_an_export_and_keys_on_its_content(pairs: dict[
     a new cache key; the DPO adapter keeps the starting adapter's LoRA settings."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    from tasks import registry
     from tasks.train_adapter.stage import spec, train_adapter
 
     runs = Path(pairs["runs"])
     start = train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=2", "lora.r=4"]), runs, pairs["data"],
                              pairs["model"])
-    champion = runs / "exports" / "sft" / "v0001"
-    shutil.copytree(Path(start) / "adapter", champion)
-    (champion.parent / "champion.json").write_text(json.dumps({"version": "v0001", "path": str(champion)}))
+
+    def publish(key: str, loss: float, shift: float) -> None:
+        """The start adapter (its weights + shift) published into registry `sft`, beating the base model's 2.0."""
+        source = tmp_path / key
+        shutil.copytree(Path(start) / "adapter", source)
+        weights = load_file(source / "adapter_model.safetensors")
+        save_file({k: v + shift for k, v in weights.items()}, source / "adapter_model.safetensors")
+        registry.publish(runs / "exports" / "sft", source, key, {"tuned_eval_loss": loss, "base_eval_loss": 2.0},
+                         0.01, "d", lambda folder, record: "card")
+
+    publish("first", 1.0, 0.0)
     sections = _sections(["train.method=dpo", "train.max_steps=2", "train.init_adapter=champion:sft"])
     key = spec(*sections, runs, pairs["data"], pairs["model"]).key
     adapter = Path(train_adapter.fn(*sections, runs, pairs["data"], pairs["model"]))
     assert json.loads((adapter / "adapter" / "adapter_config.json").read_text())["r"] == 4  # the start's, not 16
     assert not (adapter / "adapter" / "ref").exists()  # TRL's frozen reference copy is not shipped
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(champion / "adapter_model.safetensors")  # a new champion: other weights, still loadable
-    save_file({k: v + 1 for k, v in weights.items()}, champion / "adapter_model.safetensors")
+    publish("second", 0.5, 1.0)  # a new champion: other weights, still loadable
+    assert registry.champion(runs / "exports" / "sft")["version"] == "v0002"
     assert spec(*sections, runs, pairs["data"], pairs["model"]).key != key
 
 

@@ -143,7 +143,7 @@ def test_sweep_rerun_reuses_every_candidate(first: dict[str, Any]) -> None:
     assert state.is_completed(), state.message
     states = settled_task_states(state.state_details.flow_run_id)
     assert {k: set(v) for k, v in states.items()} == {k: {"Cached"} for k in (
-        "prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter")}
+        "prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "score_champion", "export_adapter")}
     assert len(states["train_adapter"]) == 4 and len(states["evaluate_adapter"]) == 4
     assert _stage_dirs(first["runs_dir"]) == before  # no stage folder added
     assert state.result()["winner"] == first["summary"]["winner"]
@@ -198,6 +198,9 @@ def test_a_failed_candidate_fails_alone(first: dict[str, Any]) -> None:
     assert [(c["name"], c["status"]) for c in record["candidates"]] == [("c2", "finished"), ("c1", "failed")]
     assert record["winner"] == "c2" and record["export"]["export_version"] == "v0002"
     assert record["export"]["promotion"] == "rejected"  # the grid's worst does not beat the grid's best
+    # its evaluation is reused from before v0001 existed, and v0001 is still scored beside it on the same data
+    assert "champion v0001's" in record["export"]["promotion_reason"]
+    assert "(same-data rule)" in record["export"]["promotion_reason"]
     (comparison,) = _artifacts(flow_run_id, "sweep-comparison")
     rows = _table_rows(comparison.data)
     assert [r[:2] for r in rows] == [["1", "c2"], ["-", "c1"]]

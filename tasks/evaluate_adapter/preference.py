@@ -1,8 +1,9 @@
 """evaluate_adapter for preference data (prepare_data formats preference and unpaired_preference).
 
-On the held-out pairs, for the base model, base + adapter and (when there is one to score) base + champion,
-each answer's log-probability given its prompt (summed over the answer's tokens). The reward of an answer is
-the model's log-probability minus the base model's (TRL's implicit DPO reward with the base as reference, without beta):
+On the held-out pairs, for the base model and base + adapter (this run's, or the registry's champion scored by
+score_champion), each answer's log-probability given its prompt (summed over the answer's tokens). The reward of an
+answer is the model's log-probability minus the base model's (TRL's implicit DPO reward with the base as reference,
+without beta):
 
 - reward accuracy: the share of pairs where reward(chosen) > reward(rejected) (ties count half, so the base
   model, whose rewards are all 0, scores exactly 0.5); for rated single answers, the share whose reward has the
@@ -24,10 +25,10 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter.generation import greedy_generate, score
 
 
-def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path, champion: Path | None = None
+def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter: Path
              ) -> tuple[dict[str, Any], list[str], list[list[int]], dict[str, dict[str, Any]]]:
-    """(metrics, reference answers, prompts, results by model) on the eval split: base, tuned and, given the
-    champion's adapter folder, the champion (rewards of each against the same base log-probabilities)."""
+    """(metrics, reference answers, prompts, results by model) on the eval split: base and tuned (the adapter in
+    folder `adapter`, its rewards against the base log-probabilities)."""
     import pyarrow.parquet as pq
     from peft import PeftModel
 
@@ -50,12 +51,9 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter_dir: Path,
     model = load_for_evaluation(model_dir, args.dequantize)
     pad = tokenizer.pad_token_id or 0
     results = {}
-    for name in ("base", "tuned", "champion")[:3 if champion else 2]:
-        if name == "tuned":  # adapters attached by name to the one base
-            model = PeftModel.from_pretrained(model, adapter_dir / "adapter", adapter_name="tuned")
-        if name == "champion":
-            model.load_adapter(champion, adapter_name="champion")
-            model.set_adapter("champion")
+    for name in ("base", "tuned"):
+        if name == "tuned":
+            model = PeftModel.from_pretrained(model, adapter, adapter_name="tuned")
         logps, counts = answer_logps(model, answers, args.per_device_eval_batch_size, pad)
         generated = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens, pad, eos)
         results[name] = {"logps": logps, "counts": counts,

@@ -1,10 +1,8 @@
-"""evaluate_adapter: base vs base + adapter (vs the champion) on the held-out split -> metrics.json, samples.jsonl.
+"""evaluate_adapter: base vs base + adapter on the held-out split -> metrics.json, samples.jsonl.
 
-Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model), the adapter
-(train_adapter) and, when the registry named by export.name has a champion on the same base model, that
-champion's adapter. For the base model, then the same model with the champion's adapter, then with the adapter
-(the base dequantized when it fits, eval.dequantize, and each adapter merged into it; loaded again after the
-champion, so each adapter meets the exact base), on the very same batches and prompts:
+Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model) and the adapter
+(train_adapter). For the base model, then the same model with the adapter (the base dequantized when it fits,
+eval.dequantize, and the adapter merged into it), on the very same batches and prompts:
 
 - the token-weighted mean loss over label tokens, and its perplexity;
 - greedy answers to the first eval.generation_samples prompts (the tokens before each example's first
@@ -12,14 +10,13 @@ champion, so each adapter meets the exact base), on the very same batches and pr
 - optionally lm-evaluation-harness tasks (eval.lm_eval_tasks) when lm_eval is installed.
 
 Everything is deterministic (eval mode, greedy decoding, fixed batches): the same adapter and data give
-the same numbers. The champion's identity (its adapter files' content) is in the cache key, so a new
-champion means a new evaluation; an adapter already published is judged against the champion it was judged
-against then (tasks/registry.py judged_against), so a re-run after its own promotion stays cached. Writes
-metrics.json, samples.jsonl (prompt, reference, base, tuned and champion answers, their scores),
-lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go to
-a Prefect table artifact. The base model's and the champion's results are also kept in
-runs_dir/evaluate_adapter/.memo/ (_memo), where the next evaluation on the same eval data, model and settings takes
-them instead of computing them again.
+the same numbers. The registry's champion is not part of this stage: it changes as runs publish, while an
+adapter's evaluation does not, so score_champion (champion.py) scores it apart, on the same batches and prompts,
+for the promotion gate. Writes metrics.json, samples.jsonl (prompt, reference, base and tuned answers, their
+scores), lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go
+to a Prefect table artifact. The base model's results are also kept in runs_dir/evaluate_adapter/.memo/ (_memo),
+where the next evaluation on the same eval data, model and settings takes them instead of computing them again
+(score_champion keeps the champion's there too).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from typing import Any
 
 from prefect import task
 
-from tasks import artifacts, disk, registry
+from tasks import artifacts, disk
 from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
@@ -69,48 +66,26 @@ from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_me
 VERSION = "5"
 
 
-def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
-         champion: str | None = None) -> StageSpec:
-    """Cache-key inputs: eval settings, the three upstream stages and the identity of the champion scored beside
-    the adapter (registry `champion`, i.e. export.name; no entry when none is scored, so keys stay as before)."""
-    judged = _judged_against(champion, runs_dir, model_dir, adapter_dir)[0]
-    return StageSpec(stage="evaluate_adapter", version=VERSION, runs_dir=runs_dir,
-                     params={"eval": args.model_dump(), **({"champion": registry.identity(judged)} if judged else {})},
+def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> StageSpec:
+    """Cache-key inputs: eval settings and the three upstream stages (not the registry's champion: it changes as
+    runs publish, while this adapter's evaluation does not)."""
+    return StageSpec(stage="evaluate_adapter", version=VERSION, runs_dir=runs_dir, params={"eval": args.model_dump()},
                      upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir),
                                "train_adapter": Path(adapter_dir)})
 
 
-def _judged_against(name: str | None, runs_dir: Path, model_dir: str, adapter_dir: str
-                    ) -> tuple[dict[str, Any] | None, str]:
-    """(the champion's version record, '') when registry `name` has one to score on this run's data, else
-    (None, why not)."""
-    root = registry.registry_dir(runs_dir, name) if name else None
-    if root is None or registry.champion(root) is None:
-        return None, "no champion yet"
-    record, why = registry.judged_against(root, upstream_key(adapter_dir), registry.base_identity(Path(model_dir)))
-    return (None, why) if why else (record, "")
-
-
 @task(name="evaluate_adapter", **stage_task_options(spec))
-def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
-                     champion: str | None = None) -> str:
-    """Eval loss, perplexity and generation metrics of the base model, base + adapter and base + champion."""
+def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
+    """Eval loss, perplexity and generation metrics of the base model and base + adapter."""
     # this run's share of the host's cores for torch (tasks/limits.py)
-    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, champion)) as stage, \
-            cpu_share("evaluate_adapter"):
+    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage, cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)
-        judged, why = _judged_against(champion, runs_dir, model_dir, adapter_dir)
-        rival = registry.registry_dir(runs_dir, champion) / judged["version"] if judged else None
-        if judged is None and why != "no champion yet":
-            logger().warning("evaluate_adapter: the champion is not scored on this run's data: %s; the promotion "
-                             "gate falls back to its own night's numbers", why)
         data = read_manifest(Path(data_dir))
         if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
             with _without_cudnn_attention():  # its answer batches are padded and masked too
                 metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
-                                                                      Path(adapter_dir), rival)
-            metrics.update(_rival(judged))
+                                                                      Path(adapter_dir) / "adapter")
             tokenizer = load_tokenizer(Path(model_dir))
             samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
             outputs = _write(stage.dir, metrics, samples, results, False)
@@ -132,13 +107,13 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
                       "model then base + adapter", count, len(batches), len(prompts))
         memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, base.in_4bit)
         with _without_cudnn_attention():
-            results = _evaluate_all(base, Path(adapter_dir) / "adapter", (rival, registry.identity(judged)) if
-                                    judged else None, tokenizer, batches, prompts, args, run_lm_eval, memo)
+            results = _evaluate_all(base, Path(adapter_dir) / "adapter", tokenizer, batches, prompts, args,
+                                    run_lm_eval, memo)
         base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
         release_device_memory()
         refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
         samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-        metrics = {**_metrics(results, refs, count, args), **_rival(judged)}
+        metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
         outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
         logger().info("evaluate_adapter: %s", _readable(metrics))
         artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
@@ -190,15 +165,11 @@ def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
 
 
 class _Base:
-    """The base model under evaluation, loaded again (`fresh`) once an adapter is in it and another must follow."""
+    """The base model under evaluation, and whether it is evaluated in 4 bits (part of the memo's key)."""
 
     def __init__(self, load: Callable[[], Any]) -> None:
-        self.load, self.model = load, load()
+        self.model = load()
         self.in_4bit = bool(getattr(self.model, "is_loaded_in_4bit", False))
-
-    def fresh(self) -> None:
-        self.model = None  # the old copy is freed before the new one is loaded (load_for_evaluation collects first)
-        self.model = self.load()
 
 
 def _attached(model: Any, adapter: Path) -> Any:
@@ -219,30 +190,18 @@ def _attached(model: Any, adapter: Path) -> Any:
     return attached
 
 
-def _evaluate_all(base: _Base, adapter: Path, rival: tuple[Path, str | None] | None, tokenizer: Any,
-                  batches: list[dict[str, Any]], prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool,
-                  memo: Path | None) -> dict[str, dict[str, Any]]:
-    """base, tuned and (with a rival: its folder and identity) champion results, each adapter attached to the same
-    base in turn (_attached); the base's and the champion's taken from `memo` when an earlier evaluation left them
-    there. The champion, when computed, goes before the tuned adapter and the base is loaded again after it, so
-    each adapter meets the base's exact weights (a merge cannot be undone exactly in bf16)."""
+def _evaluate_all(base: _Base, adapter: Path, tokenizer: Any, batches: list[dict[str, Any]],
+                  prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool, memo: Path | None
+                  ) -> dict[str, dict[str, Any]]:
+    """base and tuned results, the adapter attached to the base (_attached); the base's taken from `memo` when an
+    earlier evaluation left them there."""
 
     def evaluate(label: str, model: Any) -> dict[str, Any]:
         return _evaluate(label, model, tokenizer, batches, prompts, args, run_lm_eval)
 
     results = {"base": _remembered(memo, "base", lambda: evaluate("base", base.model))}
-    champion = None
-    if rival is not None:
-        folder, identity = rival
-
-        def score_champion() -> dict[str, Any]:
-            scored = evaluate("champion", _attached(base.model, folder))
-            base.fresh()
-            return scored
-
-        champion = _remembered(memo if identity else None, f"champion-{identity}", score_champion)
     results["tuned"] = evaluate("tuned", _attached(base.model, adapter))
-    return {**results, **({"champion": champion} if champion is not None else {})}
+    return results
 
 
 def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4bit: bool) -> Path | None:
@@ -283,11 +242,6 @@ def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any
     return results
 
 
-def _rival(judged: dict[str, Any] | None) -> dict[str, Any]:
-    """Which champion was scored: its version and identity (the gate checks it is still the champion)."""
-    return {"judged_against": judged["version"], "champion_adapter": registry.identity(judged)} if judged else {}
-
-
 def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
               args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
     start = time.perf_counter()
@@ -310,7 +264,7 @@ def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, An
 
 
 def _samples(prompts: list[str], refs: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per greedy prompt: the reference, then each model's answer (base, tuned[, champion]), then scores."""
+    """One row per greedy prompt: the reference, then each model's answer (base, tuned), then their scores."""
     rows = []
     for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
         answers = {who: r["answers"][i] for who, r in results.items()}
@@ -343,9 +297,6 @@ def _readable(m: dict[str, Any]) -> str:
     if m["generation_samples"]:
         text += (f"; {m['generation_samples']} greedy answers: exact match {m['base_exact_match']:.3f} -> "
                  f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
-    if m.get("judged_against"):
-        text += (f"; champion {m['judged_against']} on the same data: eval loss {m['champion_eval_loss']:.4f}"
-                 + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else ""))
     return text
 
 

@@ -9,10 +9,12 @@ produced it) and, with export.merge, merged/ (base dequantized, adapter merged i
 AutoModelForCausalLM).
 
 Then publishes that folder as runs_dir/exports/<export.name>/vNNNN/ (tasks/registry.py): promoted to
-champion when its tuned eval loss beats the champion's by export.promotion_margin, else kept as a
-rejected candidate with the reason. Publishing happens once per stage key: a cached stage publishes
-nothing, and the manifest's metrics record the version and the verdict. published/ keeps the version's
-record and card, from which a reused stage restores a deleted version folder or champion.json.
+champion when it passes the gate (tasks/gate.py: beats the champion, scored on this run's eval data by
+score_champion, or with none yet its base model, by export.promotion_margin), else kept as a rejected
+candidate with the reason. An adapter with non-finite weights (a diverged training) is refused before anything
+is written. Publishing happens once per stage key: a cached stage publishes nothing, and the manifest's
+metrics record the version and the verdict. published/ keeps the version's record and card, from which a
+reused stage restores a deleted version folder or champion.json.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from prefect import task
 from tasks import disk, registry
 from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
+from tasks.errors import UserError
 from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
-from tasks.manifest import Manifest, StageSpec, open_stage, read_manifest
+from tasks.manifest import ChampionScores, Manifest, StageSpec, open_stage, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
 # 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
@@ -45,23 +48,28 @@ METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact
 
 
 def spec(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
-         eval_dir: str) -> StageSpec:
-    """Cache-key inputs: export settings and the four upstream stages."""
+         eval_dir: str, judged: dict[str, Any] | None = None) -> StageSpec:
+    """Cache-key inputs: export settings and the four upstream stages (not `judged`, the champion's scores: the
+    champion changes as runs publish, while this export does not)."""
     return StageSpec(stage="export_adapter", version=VERSION, runs_dir=runs_dir,
-                     params={"export": args.model_dump()},
+                     params={"export": registry.settings(args.model_dump())},
                      upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir),
                                "train_adapter": Path(adapter_dir), "evaluate_adapter": Path(eval_dir)})
 
 
 @task(name="export_adapter", **stage_task_options(spec))
 def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
-                   eval_dir: str) -> str:
-    """Write the adapter, tokenizer, model card and run config; publish them as a registry version."""
+                   eval_dir: str, judged: dict[str, Any] | None = None) -> str:
+    """Write the adapter, tokenizer, model card and run config; publish them as a registry version, judged against
+    the champion's scores on this run's eval data (`judged`: score_champion's, None when it scored none)."""
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir)) as stage:
         if stage.done:
-            for fixed in registry.repair(registry.registry_dir(runs_dir, args.name), stage.dir):
-                logger().warning("export_adapter: registry %s: %s", args.name, fixed)
+            registry.repair(registry.registry_dir(runs_dir, args.name), stage.dir)  # logs what it repaired
             return str(stage.dir)
+        if problem := registry.non_finite(Path(adapter_dir) / "adapter"):  # before any copy, merge or GGUF
+            raise UserError(f"export_adapter: the adapter in {adapter_dir} cannot be exported: {problem}: training "
+                            "diverged. Nothing was exported or published. Train again with a lower "
+                            "train.learning_rate (or from another train.init_adapter), then run again.")
         manifests = {m.stage: m for m in map(read_manifest, map(Path, (data_dir, model_dir, adapter_dir, eval_dir)))}
         tokenizer = sum((Path(model_dir) / name).stat().st_size for name in _tokenizer_files(Path(model_dir)))
         disk.require("export_adapter", runs_dir, stage.dir, disk.folder_bytes(Path(adapter_dir) / "adapter")
@@ -80,11 +88,10 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         outputs += ggufs
         card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
-        eval_metrics = manifests["evaluate_adapter"].metrics.model_dump(exclude_unset=True)
         root = registry.registry_dir(runs_dir, args.name)
-        lineage = {"base_model": registry.base_identity(Path(model_dir)), "adapter_key": manifests["train_adapter"].key}
-        record = registry.publish(root, stage.dir, stage.key, eval_metrics, args.promotion_margin,
-                                  manifests["prepare_data"].key, card, lineage)
+        record = registry.publish(root, stage.dir, stage.key, _gate_metrics(manifests, judged), args.promotion_margin,
+                                  manifests["prepare_data"].key, card, _lineage(manifests, Path(model_dir), args),
+                                  accept_new_measure=args.accept_new_measure)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
         published = [f"{registry.PUBLISHED}/README.md", f"{registry.PUBLISHED}/{registry.VERSION_FILE}"]
@@ -92,13 +99,34 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         return str(stage.dir)
 
 
+def _gate_metrics(manifests: dict[str, Manifest], judged: dict[str, Any] | None) -> dict[str, Any]:
+    """This run's eval metrics with the champion's scores on the same data (an evaluation written before the
+    champion was scored apart may carry an older champion's: those are dropped)."""
+    metrics = manifests["evaluate_adapter"].metrics.model_dump(exclude_unset=True, exclude={"memo"})
+    own = {k: v for k, v in metrics.items() if k not in ChampionScores.model_fields}
+    return {**own, **(judged or {})}
+
+
+def _lineage(manifests: dict[str, Manifest], model_dir: Path, args: ExportArgs) -> dict[str, Any]:
+    """What the version record keeps for later runs: the base model and train_adapter key (to score it on their
+    data), what its evaluation measured (like with like), its evaluation key and export settings (published)."""
+    return {"base_model": registry.base_identity(model_dir), "adapter_key": manifests["train_adapter"].key,
+            "measure": registry.measure(manifests["prepare_data"].metrics.model_dump()),
+            "evaluation": manifests["evaluate_adapter"].key,
+            "export": registry.settings(args.model_dump(mode="json"))}
+
+
 def _stage_metrics(root: Path, name: str, record: dict[str, Any]) -> dict[str, Any]:
-    """The verdict, flat, for the manifest and the run summary."""
+    """The verdict, flat, for the manifest and the run summary; the version's path relative to runs_dir (a copied
+    runs_dir's summary names its own copy: run_record)."""
     now = registry.champion(root)
-    return {"export_name": name, "export_version": record["version"], "export_path": str(root / record["version"]),
-            "promotion": record["promotion"], "promotion_reason": record["reason"],
+    scores = {k: v for k, v in record["metrics"].items() if k in ChampionScores.model_fields}
+    return {"export_name": name, "export_version": record["version"],
+            "export_path": f"exports/{name}/{record['version']}", "promotion": record["promotion"],
+            "promotion_reason": record["reason"],
             "champion_version": now and now["version"],
-            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"], "gate_rule": record.get("rule")}
+            "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"], "gate_rule": record.get("rule"),
+            **scores}
 
 
 def _fmt(value: Any) -> str:
@@ -180,7 +208,8 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
                record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
     data, model = manifests["prepare_data"], manifests["prepare_model"]
-    metrics = manifests["evaluate_adapter"].metrics.model_dump()
+    # the verdict's metrics hold the champion scored beside it (score_champion); the stage's own card has none
+    metrics = record["metrics"] if record is not None else manifests["evaluate_adapter"].metrics.model_dump()
     base, quant = config["model"]["base_model"], config["model"]
     revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
     judged = metrics.get("judged_against")

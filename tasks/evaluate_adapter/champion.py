@@ -1,0 +1,154 @@
+"""score_champion: the registry's champion scored on this run's eval data, for the promotion gate.
+
+Reads the registry of export.name, eval.parquet (prepare_data), the 4-bit checkpoint (prepare_model), this run's
+adapter (train_adapter: only its weights' sha256) and evaluation (evaluate_adapter: where its base results are
+remembered). Returns the champion's metrics (champion_eval_loss, ... or, for preference data, champion_reward_
+accuracy, ...) with its version and identity, which export_adapter hands to the gate; writes only the champion's
+results into runs_dir/evaluate_adapter/.memo/, beside the base model's.
+
+Why a task of its own: the champion changes as runs publish, while an adapter's evaluation does not. With the
+champion in evaluate_adapter's key, an evaluation cached from before the current champion existed (a formats-only
+re-export, a sweep's candidates, another export.name) left the gate without same-data numbers. Here the champion
+is the one of the moment, scored on the same batches and prompts as the adapter (evaluation is deterministic: the
+numbers equal those of the same pass) and remembered per (champion, eval data, model, settings, device), so it is
+computed once; Prefect caches the task by (this evaluation, the champion it scores), so an unchanged re-run shows
+it Cached. Nothing is scored, and nothing loaded, when no verdict needs it: no champion yet, the champion is this
+very adapter (the gate judges its formats), this evaluation is already published with these export settings
+(export_adapter is then cached), or the champion cannot be scored here (another base model, no recorded hashes,
+damaged beyond repair: the gate falls back to its own night's numbers and says why).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+
+from tasks import registry
+from tasks.config import EvalArgs, ExportArgs
+from tasks.evaluate_adapter import preference
+from tasks.evaluate_adapter.generation import score
+from tasks.evaluate_adapter.stage import (
+    _attached,
+    _Base,
+    _batches,
+    _evaluate,
+    _held_out,
+    _memo,
+    _remembered,
+    _without_cudnn_attention,
+)
+from tasks.examples import ParquetExamples
+from tasks.gate import WEIGHTS, identity, same_adapter
+from tasks.limits import cpu_share
+from tasks.log import logger
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, file_sha256, hash_json, read_manifest
+from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
+
+
+@dataclass
+class _ChampionCache(CachePolicy):
+    """Prefect's cache key of score_champion: this evaluation (its stage key) and the champion it would score (its
+    identity; none when nothing is to be scored, whatever the reason: the result is None then). An unchanged re-run,
+    also the first one after this adapter's own promotion, shows Cached; a new champion to score is scored."""
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        try:
+            root = registry.registry_dir(inputs["runs_dir"], inputs["export"].name)
+            current = registry.champion(root)
+            why = _nothing_to_score(root, current, Path(inputs["model_dir"]), Path(inputs["adapter_dir"]),
+                                    Path(inputs["eval_dir"]), inputs["export"], fix=False)
+        except Exception:  # noqa: BLE001 - no key: the task runs, and raises what it meets there, once
+            return None
+        scored = None if why else identity(current)
+        return "score_champion-" + hash_json([Path(inputs["eval_dir"]).name, scored, str(inputs["runs_dir"])])[:24]
+
+
+# not a stage: no folder of its own; its results are remembered in the evaluation memo and by Prefect (_ChampionCache)
+@task(name="score_champion", cache_policy=_ChampionCache(), persist_result=True)
+def score_champion(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str, eval_dir: str,
+                   export: ExportArgs) -> dict[str, Any] | None:
+    """The champion of export.name scored on this run's eval data (champion_* metrics, judged_against,
+    champion_adapter), or None when no verdict needs it."""
+    root = registry.registry_dir(runs_dir, export.name)
+    current = registry.champion(root)
+    why = _nothing_to_score(root, current, Path(model_dir), Path(adapter_dir), Path(eval_dir), export)
+    if why:
+        logger().info("score_champion: nothing to score: %s", why)
+        return None
+    folder = root / current["version"]
+    data = read_manifest(Path(data_dir))
+    if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:
+        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
+            scored = preference.evaluate(args, Path(data_dir), Path(model_dir), folder)[0]
+        metrics = {f"champion_{k.removeprefix('tuned_')}": v for k, v in scored.items() if k.startswith("tuned_")}
+    else:
+        metrics = _scores(args, runs_dir, Path(data_dir), Path(model_dir), Path(eval_dir), folder,
+                          identity(current))
+    metrics = {k: v for k, v in metrics.items() if k in EvalMetrics.model_fields}
+    logger().info("score_champion: champion %s on this run's eval data: %s", current["version"],
+                  ", ".join(f"{k.removeprefix('champion_')} {v:.4f}" for k, v in metrics.items() if v is not None))
+    return {"judged_against": current["version"], "champion_adapter": identity(current), **metrics}
+
+
+def _nothing_to_score(root: Path, current: dict[str, Any] | None, model_dir: Path, adapter_dir: Path,
+                      eval_dir: Path, export: ExportArgs, fix: bool = True) -> str:
+    """Why no verdict needs the champion scored now ('' when one does); `fix`: a champion with damaged files is
+    restored from its export stage folder first (and the fallback is logged)."""
+    if current is None:
+        return "no champion yet"
+    base_model = registry.base_identity(model_dir)
+    if same_adapter(file_sha256(adapter_dir / "adapter" / WEIGHTS), base_model, current):
+        return f"champion {current['version']} is this adapter"
+    published = registry.published_as(root, eval_dir.name, export.model_dump(mode="json"))
+    if published is not None:
+        return f"this evaluation was published as {published['version']} with these export settings"
+    why = registry.unusable(root, current, base_model, fix=fix)
+    if why and fix:
+        logger().warning("score_champion: the champion is not scored on this run's data: %s; the promotion gate "
+                         "falls back to its own night's numbers", why)
+    return why
+
+
+def _scores(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, eval_dir: Path, folder: Path,
+            identity: str | None) -> dict[str, Any]:
+    """champion_eval_loss, _perplexity, _exact_match, _rouge_l: remembered beside this evaluation's base results,
+    else computed on its batches and prompts (the model is loaded only then)."""
+    examples = ParquetExamples(data_dir / "eval.parquet")
+    count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
+    prompts, references = _held_out(examples, count, args.generation_samples, data_dir)
+    memo = read_manifest(eval_dir).metrics.memo
+    found = runs_dir / "evaluate_adapter" / ".memo" / memo / f"champion-{identity}.json" if memo else None
+    if found is not None and found.is_file():
+        results = json.loads(found.read_text())
+        logger().info("score_champion: remembered from an earlier run on the same eval data, model and settings "
+                      "(%s)", found)
+    else:
+        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
+            results = _compute(args, runs_dir, data_dir, model_dir, folder, identity, examples, count, prompts)
+    tokenizer = load_tokenizer(model_dir)
+    scored = score(results["answers"], [tokenizer.decode(r, skip_special_tokens=True) for r in references])
+    return {"champion_eval_loss": results["loss"], "champion_perplexity": math.exp(results["loss"]),
+            "champion_exact_match": scored["exact_match"], "champion_rouge_l": scored["rouge_l"]}
+
+
+def _compute(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, folder: Path, identity: str | None,
+             examples: ParquetExamples, count: int, prompts: list[list[int]]) -> dict[str, Any]:
+    """The champion's loss and answers, as evaluate_adapter computes the tuned adapter's, into the memo."""
+    tokenizer = load_tokenizer(model_dir)
+    base = _Base(partial(load_for_evaluation, model_dir, args.dequantize))
+    batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
+    memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit) if identity else None
+    results = _remembered(memo, f"champion-{identity}", lambda: _evaluate(
+        "champion", _attached(base.model, folder), tokenizer, batches, prompts, args, False))
+    base.model = None
+    release_device_memory()
+    return results

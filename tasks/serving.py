@@ -73,16 +73,17 @@ def sync(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
     if now is None:
         return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: registry {export_name} has no "
                 f"champion at {root}"}
-    server = Server(str(args.url), args.timeout_s)
+    server, served = Server(str(args.url), args.timeout_s), None
     try:
         served = server.adapters()
-        outcome["previous"] = _version_of(name, served.get(name))
+        outcome["previous"] = _version_of(served.get(name))
         if served.get(name) == str(root / now):
             return {**outcome, "status": "unchanged", "message": f"{name} already serves {now}"}
         checked = switch(server, name, root, now, args.tolerance, served)
     except ServingError as exc:
-        return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: {exc}; the server keeps "
-                f"serving what it served before ({name}: {outcome['previous'] or 'nothing'})"}
+        kept = ("whatever the server serves is unchanged" if served is None else
+                f"{name} still serves {outcome['previous']}" if outcome["previous"] else f"{name} is not served yet")
+        return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: {exc}; {kept}"}
     return {**outcome, "status": "updated", "message": f"{name} now serves {now} ({checked})"}
 
 
@@ -118,7 +119,7 @@ def switch(server: Server, name: str, root: Path, version: str, tolerance: float
     return how
 
 
-def _version_of(name: str, path: str | None) -> str | None:
+def _version_of(path: str | None) -> str | None:
     """The vNNNN a served folder is, for the messages."""
     return Path(path).name if path else None
 

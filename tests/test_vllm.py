@@ -247,13 +247,20 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
         return run_flow([f"runs_dir={runs}", f"data.source={data}", f"train.max_steps={steps}",
                          "train.learning_rate=0.003", "train.logging_steps=4", "train.save_steps=1000",
                          "eval.max_samples=16", "eval.generation_samples=4", "eval.max_new_tokens=12",
-                         "export.name=nightly", f"serve.url={url}"])
+                         "lora.r=8", "lora.lora_alpha=16", "export.name=nightly", f"serve.url={url}"])
 
     first = night(8)
     assert first["metrics"]["promotion"] == "promoted" and first["serving"]["status"] == "updated", first["serving"]
     assert served(server)["nightly"] == str(root / "v0001")
     answers_v1 = greedy_ids(server, "nightly", root / "v0001")
     assert answers_v1 == greedy_ids(server, "nightly-v0001", root / "v0001")
+
+    # a load the server refuses (a rank above its --max-lora-rank) leaves it serving: what switch() relies on
+    too_large = tmp_path / "rank-16"
+    _random_adapter(too_large, rank=16)
+    status, text = call(server, "/v1/load_lora_adapter", {"lora_name": "too-large", "lora_path": str(too_large)})
+    assert status != 200 and "max_lora_rank" in str(text)
+    assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
 
     loser = night(1)  # one step: a higher eval loss than v0001's, rejected
     assert loser["metrics"]["promotion"] == "rejected" and loser["serving"]["status"] == "unchanged"
@@ -276,6 +283,7 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     assert down["serving"]["status"] == serving.NOT_UPDATED, down["serving"]
     assert "serving not updated: the vLLM server at" in down["serving"]["message"]
     assert "cannot be reached" in down["serving"]["message"]
+    assert "whatever the server serves is unchanged" in down["serving"]["message"]
     assert registry.current(root)["champion_version"] == "v0004"
     assert served(server)["nightly"] == str(root / "v0003")  # the real server kept its champion
 
@@ -288,6 +296,15 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     assert registry.current(root)["champion_version"] == "v0001"
     assert served(server)["nightly"] == str(root / "v0001")
     assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
+
+
+def _random_adapter(out: Path, rank: int) -> None:
+    """A LoRA adapter of `rank` with random weights for the embedded tiny Llama, saved by peft in `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL)
+    get_peft_model(model, LoraConfig(r=rank, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(out)
 
 
 def greedy_ids(url: str, name: str, version: Path) -> list[list[int]]:

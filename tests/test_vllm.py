@@ -327,3 +327,54 @@ def test_the_promote_command_refuses_an_unknown_version_in_one_paragraph(tmp_pat
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "has no version v0009 (versions: none); nothing was changed" in " ".join(done.stderr.split())
 
+
+
+def test_serve_url_is_a_server_root_without_credentials() -> None:
+    from pydantic import ValidationError
+
+    from tasks.config import RunConfig
+
+    assert ServeArgs(url="http://127.0.0.1:8000/v1/").url == "http://127.0.0.1:8000"
+    assert ServeArgs().url is None and RunConfig().serve.url is None
+    for bad, said in [("http://user:pw@host:8000", "holds credentials (a user:password@ part before the host)"),
+                      ("http://host:8000?api_key=abc", "holds credentials (the query parameter api_key)"),
+                      ("ftp://host:8000", "is not the root URL of a vLLM server"),
+                      ("http://host:8000/v1/models", "is not the root URL of a vLLM server")]:
+        with pytest.raises(ValidationError) as error:
+            ServeArgs(url=bad)
+        message = error.value.errors()[0]["msg"]  # the CLI quotes the value itself, masked (cli._masked)
+        assert said in message and "pw" not in message and "abc" not in message, message
+    with pytest.raises(ValidationError, match="put the server's API key in the VLLM_API_KEY environment variable"):
+        ServeArgs(url="http://a:b@h")
+    with pytest.raises(ValidationError, match="must be a model name"):
+        ServeArgs(adapter_name="../x")
+
+
+def test_the_check_takes_equal_answers_and_near_ties_only(stages: dict[str, Any]) -> None:
+    """agreement(): equal answers pass; answers that part where the evaluated continuation was the server's runner-up
+    pass within serve.tolerance and fail beyond it; an answer unrelated to the evaluated one fails."""
+    from transformers import AutoTokenizer
+
+    from tasks.serving import agreement
+
+    tokenizer = AutoTokenizer.from_pretrained(stages["model"])
+    want = tokenizer("The opposite of hot is cold.", add_special_tokens=False).input_ids
+    other = tokenizer(" warm.", add_special_tokens=False).input_ids
+    parted = len(want) - len(tokenizer(" cold.", add_special_tokens=False).input_ids)
+
+    def answer(ids: list[int], margin: float) -> dict[str, Any]:
+        top = [{t: -0.1} for t in ids]
+        if len(ids) > parted:
+            top[parted] = {ids[parted]: -0.1, want[parted]: -0.1 - margin}
+        return {"ids": ids, "top": top, "finish": "stop"}
+
+    expected = tokenizer.decode(want, skip_special_tokens=True)
+    assert agreement(answer(want, 0.0), expected, tokenizer.decode, 0.5) == \
+        (True, "its greedy answer equals the evaluated one")
+    near = want[:parted] + other
+    agrees, how = agreement(answer(near, 0.3), expected, tokenizer.decode, 0.5)
+    assert agrees and f"parts from the evaluated one at token {parted}" in how and "by 0.300 nats" in how
+    agrees, how = agreement(answer(near, 0.8), expected, tokenizer.decode, 0.5)
+    assert not agrees and f"they part at token {parted}" in how and "warm" in how
+    assert not agreement(answer(other, 0.0), expected, tokenizer.decode, 0.5)[0]
+    assert not agreement(answer(near, 0.3), expected, tokenizer.decode, 0.0)[0]

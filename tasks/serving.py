@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from tasks import artifacts, registry
 from tasks.config import SERVE_API_KEY_ENV, ServeArgs
@@ -51,11 +52,14 @@ class ServingError(Exception):
     """The server could not be brought to serve the champion; the message says why and what to do."""
 
 
-@task(name="serve_champion")
 def serve_champion(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any] | None:
-    """Make serve.url's vLLM server serve the registry's champion (see the module docstring); None without a URL."""
-    if args.url is None:
-        return None
+    """Make serve.url's vLLM server serve the registry's champion (see the module docstring): a task run of the flow
+    that calls it; None without a URL, and then no task run either (a run without a server shows its five stages)."""
+    return None if args.url is None else _serve_champion(args, export_name, runs_dir)
+
+
+@task(name="serve_champion", cache_policy=NO_CACHE)  # the server's state is not an input: look every time
+def _serve_champion(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
     outcome = sync(args, export_name, runs_dir)
     level = logger().warning if outcome["status"] == NOT_UPDATED else logger().info
     level("serving: %s", outcome["message"])

@@ -234,10 +234,8 @@ class Server:
         body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
                 "return_tokens_as_token_ids": True}
         choice = self._call("POST", "/v1/completions", body).json()["choices"][0]
-        def token(text: str) -> int:
-            return int(text.removeprefix("token_id:"))
-        return {"ids": [token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
-                "top": [{token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
+        return {"ids": [_token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
+                "top": [{_token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         import httpx
@@ -259,6 +257,11 @@ class Server:
             raise ServingError(f"the vLLM server at {self.url} answered {method} {path} with {response.status_code}: "
                                f"{_error_text(response)}")
         return response
+
+
+def _token(text: str) -> int:
+    """A token id as vLLM writes it with return_tokens_as_token_ids ("token_id:123")."""
+    return int(text.removeprefix("token_id:"))
 
 
 def _error_text(response: Any) -> str:

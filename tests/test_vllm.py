@@ -348,6 +348,15 @@ def test_serve_url_is_a_server_root_without_credentials() -> None:
         ServeArgs(url="http://a:b@h")
     with pytest.raises(ValidationError, match="must be a model name"):
         ServeArgs(adapter_name="../x")
+    # what Prefect's server checks a deployment run's parameters against (the UI form) refuses them too
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    assert validate({"config": {"serve": {"url": "http://user:pw@host:8000"}}}, schema)
+    assert not validate({"config": {"serve": {"url": "http://127.0.0.1:8000"}}}, schema)
 
 
 def test_the_check_takes_equal_answers_and_near_ties_only(stages: dict[str, Any]) -> None:

@@ -234,7 +234,8 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
         server: str, prefect_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Night 1 publishes v0001 and the server's stable name serves it; a losing night leaves it serving; a winning
     night switches the name to v0003 and unloads v0001's versioned name; a refused key and a server that is down
-    make the run say "serving not updated" and still publish; `qlora-pipeline promote` rolls back to v0001."""
+    make the run say "serving not updated" and still publish; `qlora-pipeline promote` rolls back to v0001; a version
+    that does not answer as its evaluation did is not served (promote exits 1, the old champion keeps serving)."""
     from tasks import registry, serving
 
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
@@ -295,6 +296,24 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     assert "champion now v0001" in done.stdout and "nightly now serves v0001" in done.stdout, done.stdout
     assert registry.current(root)["champion_version"] == "v0001"
     assert served(server)["nightly"] == str(root / "v0001")
+    assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
+
+    # a version whose evaluation the server does not reproduce is not served: the evaluation's recorded answers
+    # rewritten on disk, as if the server applied the adapter to another base model
+    v4 = registry.version_record(root, "v0004")
+    upstream = json.loads((registry.source_dir(root, v4) / "manifest.json").read_text())["upstream"]
+    samples = runs.resolve() / "evaluate_adapter" / upstream["evaluate_adapter"]["key"] / "samples.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    samples.write_text("".join(json.dumps({**r, "tuned_output": "Quite another answer."}) + "\n" for r in rows))
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "promote", "nightly", "v0004", "--set",
+                           f"runs_dir={runs}", "--set", f"serve.url={server}"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, (done.stdout, done.stderr[-3000:])
+    said = " ".join(done.stdout.split())
+    assert "serving not updated: nightly-v0004 does not answer as v0004's evaluation did" in said, said
+    assert "Quite another answer." in said and "nightly still serves v0001" in said
+    now = served(server)
+    assert now["nightly"] == str(root / "v0001") and "nightly-v0004" not in now
     assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
 
 

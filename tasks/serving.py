@@ -88,6 +88,8 @@ def sync(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
         kept = ("whatever the server serves is unchanged" if served is None else
                 f"{name} still serves {outcome['previous']}" if outcome["previous"] else f"{name} is not served yet")
         return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: {exc}; {kept}"}
+    finally:
+        server.close()
     return {**outcome, "status": "updated", "message": f"{name} now serves {now} ({checked})"}
 
 
@@ -114,9 +116,12 @@ def switch(server: Server, name: str, root: Path, version: str, tolerance: float
         if previous is not None:  # put the old champion back before saying so
             server.load(name, previous)
         raise ServingError(f"{name} could not be pointed at {version} ({exc}); it serves {previous} again") from None
-    again = server.answer(name, prompt, max_tokens)
-    if again["ids"] != answer["ids"]:
-        raise ServingError(f"{name} answers otherwise than {versioned} although both are {path}")
+    if server.answer(name, prompt, max_tokens)["ids"] != answer["ids"]:
+        server.unload(name)
+        if previous is not None:
+            server.load(name, previous)
+        raise ServingError(f"{name} answered otherwise than {versioned} although both are {path}, so it was put "
+                           "back")
     for other in served:  # the previous champion, and versions a failed run left loaded
         if other != versioned and re.fullmatch(re.escape(name) + r"-v\d{4,}", other):
             server.unload(other)
@@ -153,7 +158,10 @@ def check_material(root: Path, version: str) -> tuple[list[int], str, int, Any]:
     prompt = _held_out_prompt(data_dir / "eval.parquet", params.get("max_samples"), pick)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(root / version)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root / version)
+    except (OSError, ValueError) as exc:
+        raise ServingError(f"the tokenizer in {root / version} does not load ({exc})") from None
     return prompt, samples[pick]["tuned_output"], params["max_new_tokens"], tokenizer.decode
 
 
@@ -217,9 +225,12 @@ class Server:
         self.client = httpx.Client(base_url=url, timeout=timeout,
                                    headers={"Authorization": f"Bearer {key}"} if key else {})
 
+    def close(self) -> None:
+        self.client.close()
+
     def adapters(self) -> dict[str, str]:
         """{served LoRA name: its folder} (the base model, which has no parent, left out)."""
-        models = self._call("GET", "/v1/models").json()["data"]
+        models = _parsed(self._call("GET", "/v1/models"), lambda body: body["data"])
         return {m["id"]: m["root"] for m in models if m.get("parent")}
 
     def load(self, name: str, path: str) -> None:
@@ -233,9 +244,12 @@ class Server:
         step, and why it ended (stop: end of sequence; length: max_tokens)."""
         body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
                 "return_tokens_as_token_ids": True}
-        choice = self._call("POST", "/v1/completions", body).json()["choices"][0]
-        return {"ids": [_token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
-                "top": [{_token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
+        def read(body: dict[str, Any]) -> dict[str, Any]:
+            choice = body["choices"][0]
+            return {"ids": [_token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
+                    "top": [{_token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
+
+        return _parsed(self._call("POST", "/v1/completions", body), read)
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         import httpx
@@ -250,13 +264,23 @@ class Server:
         if response.status_code == 401:
             raise ServingError(f"the vLLM server at {self.url} refused the API key: set {SERVE_API_KEY_ENV} to the "
                                "key it was started with (--api-key or its own VLLM_API_KEY)")
-        if response.status_code == 404 and "lora_adapter" in path and response.json().get("detail") == "Not Found":
+        # FastAPI's own 404 for a route that is not there (vLLM's is {"error": ...})
+        if response.status_code == 404 and "lora_adapter" in path and '"detail":"Not Found"' in response.text:
             raise ServingError(f"the vLLM server at {self.url} does not load adapters at run time: start it with "
                                "--enable-lora and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
         if response.status_code != 200:
             raise ServingError(f"the vLLM server at {self.url} answered {method} {path} with {response.status_code}: "
                                f"{_error_text(response)}")
         return response
+
+
+def _parsed(response: Any, read: Any) -> Any:
+    """read(the response's JSON); a body of another shape is a ServingError (not vLLM's OpenAI-compatible server?)."""
+    try:
+        return read(response.json())
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise ServingError(f"{response.request.url} answered {response.text[:200]!r}, not what vLLM's "
+                           "OpenAI-compatible server answers: is serve.url a vLLM server?") from None
 
 
 def _token(text: str) -> int:

@@ -46,16 +46,17 @@ NEW_TOKENS = 12
 TOLERANCE = 1e-3
 
 
-def start_vllm(model: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_vllm(model: Path, log: Path, *extra: str, runtime_lora: bool = True) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI-compatible server for `model` (served as "base") on a free localhost port, in its own process
-    group, with runtime LoRA loading and an API key; returns it and its URL once /health answers."""
+    group, with an API key and (runtime_lora) LoRA loading at run time; returns it and its URL once /health
+    answers."""
     if not VLLM_PYTHON.is_file():
         missing = f"vLLM's CPU build is not installed at {VLLM_PYTHON}: run {VLLM_INSTALL}"
         if os.environ.get("CI"):
             pytest.fail(missing)
         pytest.skip(missing)
     port = free_port()
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1",
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": str(runtime_lora), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_API_KEY": API_KEY, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     # the module form: the distribution is named vllm-cpu, and its `vllm` command looks up "vllm"'s metadata
     proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -165,8 +166,8 @@ def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     runs = stages["runs"]
     adapter = train_adapter.fn(LoraArgs(r=8, lora_alpha=16), TrainArgs(max_steps=24, learning_rate=3e-3,
                                logging_steps=4), SpeedArgs(), runs, stages["data"], stages["model"])
-    evals = evaluate_adapter.fn(EvalArgs(max_samples=8, generation_samples=0), runs, stages["data"], stages["model"],
-                                adapter)
+    evals = evaluate_adapter.fn(EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=8), runs, stages["data"],
+                                stages["model"], adapter)
     out = tmp_path_factory.mktemp("vllm-export")
     export_adapter.fn(ExportArgs(name="vllmtest", merge=True, merged_dtype="float32"), out, stages["data"],
                       stages["model"], adapter, evals)
@@ -215,16 +216,24 @@ def test_the_adapter_answers_in_vllm_as_the_merged_full_precision_model_in_trans
 
 @pytest.mark.slow
 def test_the_merged_folder_answers_in_vllm_as_in_transformers(exported: Path, held_out: dict[str, Any],
-                                                              tmp_path: Path) -> None:
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`merged/` (the 4-bit base dequantized, the adapter merged in, float32) served by vLLM as the model itself."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tasks import serving
+
     prompts, eos = held_out["prompts"], held_out["eos"]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32), prompts, eos)
-    proc, url = start_vllm(exported / "merged", tmp_path / "merged.log")
+    proc, url = start_vllm(exported / "merged", tmp_path / "merged.log", runtime_lora=False)
     try:
         assert_answers_as(vllm_greedy(url, "base", prompts, eos), want)
+        # a server that does not load adapters at run time: the hot-load says how to start it
+        monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+        outcome = serving.sync(ServeArgs(url=url), "vllmtest", exported.parent.parent.parent)
+        assert outcome["status"] == serving.NOT_UPDATED
+        assert "does not load adapters at run time: start it with --enable-lora and the environment variable " \
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in outcome["message"], outcome["message"]
     finally:
         stop_group(proc)
 

@@ -7,6 +7,7 @@
     qlora-pipeline presets                          # each preset's one-line description
     qlora-pipeline --version                        # this checkout, and whether its libraries are the tested ones
     qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
+    qlora-pipeline promote NAME VERSION [--config FILE.yaml] [--set serve.url=URL ...]  # a rollback; serves it too
     qlora-pipeline setup [--gpus N] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
     qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     history = sub.add_parser("history", help="print an exports registry's versions: losses, verdicts, dates")
     history.add_argument("--export-name", default=None, help="the registry (export.name; default: the default's)")
     history.add_argument("--runs-dir", type=Path, default=None, help="runs_dir (default: the default config's)")
+    promote = sub.add_parser("promote", help="make a version of a registry the champion by hand (a rollback) and, "
+                             "with serve.url, load it into that vLLM server as the champion is after a run")
+    promote.add_argument("name", help="the registry (export.name)")
+    promote.add_argument("version", help="the version to make champion, e.g. v0001")
+    promote.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig (its runs_dir and serve section)")
+    promote.add_argument("--preset", help="a preset from data/presets")
+    promote.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                         help="override one field, e.g. serve.url=http://127.0.0.1:8000 or runs_dir=/data/runs")
     setup = sub.add_parser("setup", help="create the work pool, the GPU concurrency limit and the failure automation")
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
     setup.add_argument("--gpus", type=int, help="GPUs of the worker for the GPU pool (default: those visible here, "
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(config, args.cron, args.timezone)
+    if args.command == "promote":
+        return _promote(config, args.name, args.version)
     if args.command == "start":
         return _start_deployment(args.deployment, config, args.watch)
     if args.command == "sweep":
@@ -492,6 +503,28 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
     return _user_error(problem) if problem else 0
 
 
+def _promote(config: Any, name: str, version: str) -> int:
+    """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 1 when the
+    server was not updated (the registry was)."""
+    from tasks import registry, serving
+
+    root = registry.registry_dir(config.runs_dir, name)
+    if not root.is_dir():
+        return _user_error(f"no exports registry {name!r} at {root}: give the runs_dir of its runs (--set "
+                           "runs_dir=DIR or --config) and the registry's name (their export.name).")
+    try:
+        record = registry.promote(root, version)
+    except ValueError as exc:
+        return _user_error(f"{exc}; nothing was changed.")
+    print(f"registry {name}: champion now {record['version']} ({root / record['version']})")
+    if config.serve.url is None:
+        print("serving: no serve.url given, so no server was updated")
+        return 0
+    outcome = serving.sync(config.serve, name, config.runs_dir)
+    print(f"serving (vLLM at {config.serve.url}): {outcome['message']}")
+    return 1 if outcome["status"] == serving.NOT_UPDATED else 0
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
@@ -520,6 +553,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"{m['promotion_reason']}\nchampion now: {m['champion_version'] or 'none'}; this version: "
               f"{m['export_path']}")
     _print_tracking(summary.get("tracking"))
+    if summary.get("serving"):
+        print(f"serving (vLLM at {summary['serving']['url']}): {summary['serving']['message']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
 
 

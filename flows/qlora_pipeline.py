@@ -19,6 +19,7 @@ from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry import check_registry
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
+from tasks.serving import serve_champion
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
@@ -51,5 +52,6 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     eval_dir = evaluate_adapter(config.eval, runs, data_dir, model_dir, adapter_dir)
     judged = score_champion(config.eval, runs, data_dir, model_dir, adapter_dir, eval_dir, config.export)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir, judged)
-    summary = record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir])
+    serving = serve_champion(config.serve, config.export.name, runs)  # serve.url's vLLM: the champion, checked
+    summary = record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir], serving)
     return verdict(summary, summary["metrics"])  # the registry's verdict as the run's final state message and tag

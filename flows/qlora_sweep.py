@@ -19,6 +19,7 @@ from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry import check_registry
 from tasks.run_record import record_run
 from tasks.runtime import freeze_startup_objects
+from tasks.serving import serve_champion
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
@@ -75,5 +76,6 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     judged = score_champion(config.eval, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, config.export)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, judged)
     winner = best.candidate.config.model_copy(update={"track": track})  # its tracked run: a child of the sweep's
-    run = record_run(winner, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir])
+    serving = serve_champion(config.serve, config.export.name, runs)  # serve.url's vLLM: the champion, checked
+    run = record_run(winner, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir], serving)
     return sweep.report(ranking, run)

@@ -613,6 +613,63 @@ _FSDP = {"speed.fsdp": {"enum": [True]}}
 _STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 
 
+SERVE_API_KEY_ENV = "VLLM_API_KEY"  # the variable vLLM's own server reads its --api-key from
+
+
+class ServeArgs(_Section):
+    """The running vLLM server the champion is loaded into (docs/serving.md). Part of no stage's cache key."""
+
+    url: str | None = Field(
+        None, description="Root URL of a running vLLM server (http://host:8000) started with --enable-lora and "
+        f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; after each run its adapter_name serves the registry's champion, "
+        f"checked against the champion's own evaluation first. None: no server is updated. Its API key comes from "
+        f"the {SERVE_API_KEY_ENV} environment variable, never from the config.",
+        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+    )
+    adapter_name: str | None = Field(
+        None, max_length=100, description="The model name clients ask the server for; None = export.name. Each "
+        "version is also loaded as <adapter_name>-vNNNN while it is checked and served.",
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Seconds to wait for one answer of the server (a load, a "
+                             "greedy answer).")
+    tolerance: float = Field(
+        0.5, ge=0, description="Where the served answer parts from the evaluated one, the server's two most likely "
+        "tokens must be within this many nats (log-probability), a choice that the base's precision can flip: the "
+        "server applies the adapter to the full-precision base, evaluate_adapter to the 4-bit one it was trained "
+        "against. 0: the answers must be equal.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _server_root(cls, value: str | None) -> str | None:
+        return None if value is None else server_root(value)
+
+    @field_validator("adapter_name")
+    @classmethod
+    def _one_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", value):
+            raise ValueError("must be a model name of letters, digits, '.', '_' and '-' (e.g. support-bot)")
+        return value
+
+
+def server_root(url: str) -> str:
+    """serve.url as scheme://host[:port], a trailing / or /v1 dropped; ValueError with the fix otherwise."""
+    from urllib.parse import urlsplit
+
+    # refused, not masked: a secret kept in the config reaches Prefect's database and run.json
+    if kinds := credentials.found(url):
+        raise ValueError(f"serve.url={credentials.mask(url)} holds credentials ({' and '.join(kinds)}), which would "
+                         "be written into the run's records and Prefect's flow-run parameters. Give the URL without "
+                         f"them and put the server's API key in the {SERVE_API_KEY_ENV} environment variable of the "
+                         "process that runs the flow")
+    parts = urlsplit(url.strip())
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    if parts.scheme not in ("http", "https") or not parts.hostname or path or parts.query or parts.fragment:
+        raise ValueError(f"serve.url={url!r} is not the root URL of a vLLM server: give http(s)://host:port, "
+                         "e.g. http://127.0.0.1:8000, without a path or query")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
@@ -643,7 +700,9 @@ class RunConfig(_Section):
     export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
                                "name the adapter is published under and the gate that makes it champion.")
     track: TrackArgs = Field(default_factory=TrackArgs, title="Experiment tracking", description="MLflow and "
-                             "TensorBoard logging of each run; off by default.")
+                             "TensorBoard logging of each run; off by default, and part of no cache key.")
+    serve: ServeArgs = Field(default_factory=ServeArgs, title="Serving", description="A running vLLM server that "
+                             "serves the champion: loaded, checked and switched to after each run; off by default.")
 
     @model_validator(mode="before")
     @classmethod

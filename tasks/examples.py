@@ -5,6 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+IGNORE = -100  # the label of a token the loss skips (a prompt token, padding)
+
+
+def split_prompt(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, reference ids) of one example; None when no prompt tokens are masked (plain text).
+
+    The prompt is every token before the first label token, the reference the first run of label tokens after it
+    (the first answer; later turns of a chat are left out): evaluate_adapter's greedy prompts, and the prompt serving
+    checks a served champion with."""
+    first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
+    if first is None or first == 0:
+        return None
+    end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE), len(labels))
+    return list(input_ids[:first]), list(labels[first:end])
+
 
 class ParquetExamples:
     """A map-style dataset over a tokenized Parquet file (input_ids, labels). Rows packed at data time

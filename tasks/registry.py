@@ -589,3 +589,19 @@ def history(root: Path) -> list[dict[str, Any]]:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
+
+
+def promote(root: Path, version: str) -> dict[str, Any]:
+    """Make an existing version the champion by hand (`qlora-pipeline promote`: a rollback), its files verified first
+    (and repaired from its export stage folder if need be); the record champion.json now holds. ValueError: why not."""
+    record = version_record(root, version) if _VERSION_NAME.match(version) else None
+    if record is None:
+        known = ", ".join(r["version"] for r in versions(root)) or "none"
+        raise ValueError(f"{root} has no version {version} (versions: {known})")
+    if record.get("files") and (problem := repaired(root, record)):
+        raise ValueError(f"{version} cannot be champion: {problem}")
+    with FileLock(str(root) + ".lock"):
+        now = champion(root)
+        reason = f"made champion by hand (qlora-pipeline promote; the champion was {now and now['version']})"
+        _write_champion(root, {**record, "reason": reason, "rule": "by hand"})
+    return champion(root)

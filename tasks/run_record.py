@@ -24,8 +24,9 @@ def stage_status(manifest: Manifest) -> str:
     return "resumed" if manifest.resumed_from_step is not None else "computed"
 
 
-def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
-    """Write runs_dir/runs/<time>-<attempt>/run.json and return the run summary."""
+def record_run(config: RunConfig, stage_dirs: list[str], serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write runs_dir/runs/<time>-<attempt>/run.json and return the run summary (with `serving`, what
+    tasks/serving.py did to serve.url's server, when one is set)."""
     manifests = [read_manifest(Path(d)) for d in stage_dirs]
     stages = {m.stage: {"status": stage_status(m), "dir": d, "key": m.key,
                         **({"resumed_from_step": m.resumed_from_step} if m.resumed_from_step is not None else {})}
@@ -41,7 +42,8 @@ def record_run(config: RunConfig, stage_dirs: list[str]) -> dict[str, Any]:
         metrics.update(registry_now(config, Path(stage_dirs[-1])),
                        export_published="by this run" if stages["export_adapter"]["status"] != "cached"
                        else "by an earlier run")
-    summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1]}
+    summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1],
+               **({"serving": serving} if serving is not None else {})}
     train_dir = Path(stages["train_adapter"]["dir"])
     files = {"loss.png": loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png", write=False)}
     artifacts.run_completed(stages["train_adapter"]["status"], by_stage["train_adapter"].get("optimizer_steps"))

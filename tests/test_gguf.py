@@ -148,7 +148,7 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
 
     folder = exported["folder"]
     ggufs = folder / "gguf"
-    files = ["Modelfile", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
+    files = ["Modelfile", "Modelfile.adapter", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
     assert sorted(p.name for p in ggufs.iterdir()) == files
     assert {f"gguf/{name}" for name in files} <= set(read_manifest(folder).outputs)
     diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", TOLERANCE[kind])
@@ -157,6 +157,9 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
     tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(ggufs / "model-q8_0.gguf").tensors}
     assert tensors["blk.0.attn_q.weight"] == "Q8_0" and tensors["blk.0.attn_norm.weight"] == "F32"
     assert (ggufs / "Modelfile").read_text() == 'FROM ./model-f16.gguf\nPARAMETER stop "</s>"\n'
+    # Ollama's adapter form: its instructions, without the comment lines
+    adapter_form = [line for line in (ggufs / "Modelfile.adapter").read_text().splitlines() if not line.startswith("#")]
+    assert adapter_form == ["FROM ./base.gguf", "ADAPTER ./lora-f32.gguf", 'PARAMETER stop "</s>"']
     # the published version carries the files, and both cards list them
     version = exported["version"]
     assert sorted(p.name for p in (version / "gguf").iterdir()) == files
@@ -243,7 +246,7 @@ def test_lora_gguf_on_the_base_gguf_gives_peft_greedy_tokens(family: str, tmp_pa
     tuned.save_pretrained(tmp_path / "adapter")
     write_gguf(base, tmp_path / "gguf", ["f32"])
     assert write_lora_gguf(tmp_path / "adapter", base / "config.json", tmp_path / "gguf", ["f32"]) == \
-        ["gguf/lora-f32.gguf"]
+        ["gguf/lora-f32.gguf", "gguf/Modelfile.adapter"]
     reader = gguf.GGUFReader(tmp_path / "gguf" / "lora-f32.gguf")
     fields = {key: reader.get_field(key).contents() for key in ("general.type", "general.architecture",
                                                                  "adapter.type", "adapter.lora.alpha")}
@@ -383,7 +386,8 @@ def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_
     export_adapter.fn(config.export, tmp_path, data, model, adapter, evals)
     version = tmp_path.resolve() / "exports" / "dpo" / "v0001"
     assert json.loads((version.parent / "champion.json").read_text())["version"] == "v0001"
-    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "lora-f32.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "Modelfile.adapter", "lora-f32.gguf",
+                                                                    "model-q8_0.gguf"]
     assert "`lora-f32.gguf`" in (version / "README.md").read_text()
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
     tokenizer = AutoTokenizer.from_pretrained(version / "merged")

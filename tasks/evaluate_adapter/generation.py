@@ -10,16 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-IGNORE = -100
-
-
-def split_prompt(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]] | None:
-    """(prompt ids, reference ids) of one example; None when no prompt tokens are masked (plain text)."""
-    first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
-    if first is None or first == 0:
-        return None
-    end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE), len(labels))
-    return list(input_ids[:first]), list(labels[first:end])
+# the prompt/reference split lives in the contract (serving checks a served champion on the same prompts)
+from tasks.examples import split_prompt  # noqa: F401 - re-exported for the stage and its tests
 
 
 def normalize(text: str) -> str:

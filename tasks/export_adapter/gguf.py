@@ -2,7 +2,8 @@
 
 Reads merged/ (safetensors, config.json, tokenizer.json: the stage's merged model) and writes gguf/model-<type>.gguf
 per requested type and gguf/Modelfile; reads the adapter (adapter_config.json, adapter_model.safetensors) and writes
-gguf/lora-f32.gguf, the adapter for `llama-server -m BASE.gguf --lora lora-f32.gguf`.
+gguf/lora-f32.gguf, the adapter for `llama-server -m BASE.gguf --lora lora-f32.gguf`, with gguf/Modelfile.adapter,
+Ollama's adapter form (FROM the base model's GGUF, ADAPTER the LoRA).
 The `gguf` package (llama.cpp's gguf-py) names the tensors
 (TensorNameMap), quantizes them (gguf.quants) and writes the file (GGUFWriter); it ships no HF converter
 (convert_hf_to_gguf.py is only in llama.cpp's source tree), so the few per-family facts it needs are in FAMILIES.
@@ -184,12 +185,26 @@ def _add_vocab(writer: Any, merged: Path, vocab_size: int) -> None:
 
 def modelfile(gguf_name: str, merged: Path) -> str:
     """An Ollama Modelfile: FROM the GGUF beside it, the tokenizer's end-of-sequence token as stop."""
-    tokenizer = json.loads((merged / "tokenizer_config.json").read_text())
-    stops = [t for t in (tokenizer.get("eos_token"),) if isinstance(t, str)]
-    lines = [f"FROM ./{gguf_name}"]
     # the chat template travels in the GGUF's tokenizer.chat_template key, which Ollama reads itself
-    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"FROM ./{gguf_name}", *_stops(merged)]) + "\n"
+
+
+BASE_GGUF = "base.gguf"  # what Modelfile.adapter names the base model's GGUF: the user puts it beside the file
+
+
+def adapter_modelfile(lora_name: str, merged: Path) -> str:
+    """Ollama's adapter form: FROM the base model's GGUF, ADAPTER the GGUF LoRA beside it. The base is the user's
+    (the export writes the merged model, not the base), so the file says where it comes from."""
+    return "\n".join([
+        f"# FROM: the base model (model.base_model) as GGUF, saved beside this file as {BASE_GGUF}, e.g. by",
+        "# llama.cpp's convert_hf_to_gguf.py; or name an Ollama model of that same base. The adapter applies to it.",
+        f"FROM ./{BASE_GGUF}", f"ADAPTER ./{lora_name}", *_stops(merged)]) + "\n"
+
+
+def _stops(merged: Path) -> list[str]:
+    config = merged / "tokenizer_config.json"
+    tokenizer = json.loads(config.read_text()) if config.is_file() else {}
+    return [f'PARAMETER stop "{t}"' for t in (tokenizer.get("eos_token"),) if isinstance(t, str)]
 
 
 def write_lora_gguf(adapter: Path, base_config: Path, out: Path, types: list[str]) -> list[str]:
@@ -234,8 +249,9 @@ def write_lora_gguf(adapter: Path, base_config: Path, out: Path, types: list[str
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    (out / "Modelfile.adapter").write_text(adapter_modelfile(path.name, base_config.parent))
     logger().info("export_adapter: GGUF LoRA %s (%d layers, alpha %s)", path, len(pairs), alpha)
-    return [f"{out.name}/{path.name}"]
+    return [f"{out.name}/{path.name}", f"{out.name}/Modelfile.adapter"]
 
 
 def _llama_cpp_alpha(lora: dict[str, Any]) -> float | None:

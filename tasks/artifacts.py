@@ -336,6 +336,11 @@ def failure_summary(flow: Any, flow_run: Any, state: Any) -> None:
         )
         client.create_artifact(ArtifactCreate(key="run-failure", type="markdown", data=markdown,
                                               description=f"Why this run {verb}", flow_run_id=flow_run.id))
+    from prefect.logging.loggers import flow_run_logger
+
+    # the flow run's own logger: a hook may run outside the run's context (the worker runs it after a crash)
+    flow_run_logger(flow_run, flow).info("run %s %s%s: its run-failure artifact says what to do next",
+                                         flow_run.name, verb, during)
 
 
 def _next_step(message: str, flow_run_id: Any, new_run: str) -> str:

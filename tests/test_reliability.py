@@ -452,7 +452,7 @@ def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path
             os.killpg(proc.pid, signal.SIGKILL)
     err = (tmp_path / "first.err").read_text()
     assert proc.returncode == 143, err[-3000:]
-    assert "Crashed" in err and "Hook 'failure_summary' finished running successfully" in err, err[-3000:]
+    assert "Crashed" in err and "its run-failure artifact says what to do next" in err, err[-3000:]
     assert "stopped: the run got SIGTERM and ended as Crashed" in " ".join(err.split())
     assert "ConnectError" not in err and "Error logging to API" not in err, err[-3000:]
     while _session_processes(proc.pid) and time.time() < stopped + 10:

@@ -497,6 +497,11 @@ def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) 
     with get_client(sync_client=True) as client:  # an operator's defaults for this deployment's form
         dep = client.read_deployment_by_name("qlora-pipeline/embedded-default")
         client.update_deployment(dep.id, DeploymentUpdate(parameters={"config": operator}))
+    earlier = {r.id for r in _runs_of(dep.id)}  # other tests of this module's server start this deployment too
+
+    def new_runs() -> list[Any]:
+        return [r for r in _runs_of(dep.id) if r.id not in earlier]
+
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     browser = _browser()
     try:
@@ -522,7 +527,7 @@ def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) 
         browser.execute_script("arguments[0].click();", _submit_button(browser))  # V1 shows the refusal in a toast
         WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: "0 trains nothing" in b.page_source)
         browser.save_screenshot(str(SCREENSHOTS / "1c-run-form-refuses-0-steps.png"))
-        assert browser.current_url.split("?")[0].endswith("/run") and not _runs_of(dep.id)
+        assert browser.current_url.split("?")[0].endswith("/run") and not new_runs()
         # ... unless its "Validate parameters" is off: the run is created, and its configuration is refused
         label = browser.find_element(By.XPATH, "//label[normalize-space(.)='Validate parameters']")
         validate = browser.find_element(By.ID, label.get_attribute("for"))
@@ -539,7 +544,7 @@ def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) 
             console = _submit_form(browser)
             browser.save_screenshot(str(SCREENSHOTS / f"2-after-submit-{ui}.png"))
             assert not browser.current_url.split("?")[0].endswith("/run"), f"the {ui} form stayed open: {console}"
-        refused, v1, v2 = _runs_of(dep.id)
+        refused, v1, v2 = new_runs()
         assert [r.parameters["config"]["train"]["max_steps"] for r in (refused, v1, v2)] == [0, 3, 3]
 
         failed = _wait(refused.id)

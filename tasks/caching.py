@@ -17,7 +17,8 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from tasks.errors import UserError
-from tasks.manifest import StageSpec, hash_json, read_manifest
+from tasks.hashing.keys import hash_json
+from tasks.manifest import StageSpec, read_manifest
 
 _TRANSIENT_NAMES = ("Connect", "Timeout", "TransportError", "RemoteProtocolError", "ChunkedEncoding")
 

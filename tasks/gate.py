@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.manifest import hash_json
+from tasks.hashing.keys import hash_json
 
 WEIGHTS = "adapter_model.safetensors"
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")

@@ -47,8 +47,10 @@ from tasks.errors import UserError
 
 # gate, identity and rule are the registry's gate as its callers name it (registry.gate: the sweep's ranking)
 from tasks.gate import WEIGHTS, gate, identity, nothing_to_add, rule, verdict  # noqa: F401
+from tasks.hashing.files import file_sha256
+from tasks.hashing.keys import hash_json
 from tasks.log import logger
-from tasks.manifest import MANIFEST, check_stage, file_sha256, hash_json, read_manifest
+from tasks.manifest import MANIFEST, check_stage, read_manifest
 
 VERSION_FILE = "version.json"
 CHAMPION = "champion.json"

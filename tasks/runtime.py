@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.errors import UserError
+from tasks.hashing.files import files_fingerprint
 from tasks.log import logger
-from tasks.manifest import ModelMetrics, files_fingerprint, read_manifest
+from tasks.manifest import ModelMetrics, read_manifest
 
 if TYPE_CHECKING:
     import torch

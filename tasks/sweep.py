@@ -34,9 +34,10 @@ from tasks import artifacts, disk, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
+from tasks.hashing.keys import hash_json
 from tasks.limits import pool_gpus
 from tasks.log import current_run_attempt, logger
-from tasks.manifest import hash_json, read_manifest
+from tasks.manifest import read_manifest
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None

@@ -59,9 +59,9 @@ def small_data(tmp_path: Path) -> Path:
 
 
 def settled(*paths: Path) -> None:
-    """Wait until each file's last change is old enough for its hash to be memoised (tasks/manifest.py
+    """Wait until each file's last change is old enough for its hash to be memoised (tasks/hashing/files.py
     _SETTLED_NS), as the files of a nightly run usually are."""
-    from tasks.manifest import _SETTLED_NS
+    from tasks.hashing.files import _SETTLED_NS
 
     for path in paths:
         time.sleep(max(0.0, (path.stat().st_ctime_ns + _SETTLED_NS - time.time_ns()) / 1e9 + 0.05))

@@ -22,7 +22,8 @@ import pytest
 from deployments.cli import USER_ERROR_EXIT, _print_summary, main
 from tasks.config import EMBEDDED_DATA, LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
-from tasks.manifest import HASH_MEMO, INPUT_HASH_MEMO, MANIFEST
+from tasks.hashing.files import HASH_MEMO, INPUT_HASH_MEMO
+from tasks.manifest import MANIFEST
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 from tests.conftest import cli, cli_env, finish, last_json, small_overrides, wait_for_checkpoint

@@ -38,9 +38,9 @@ def _imports() -> dict[str, set[str]]:
 
 
 def _owner(module: str) -> str:
-    """The stage package a module belongs to, or 'contract' for the shared top level."""
+    """The stage package a module belongs to, or 'contract' for the shared modules and packages."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in STAGES) else "contract"
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else "contract"
 
 
 def test_every_stage_has_its_package_with_a_stage_module() -> None:

@@ -47,9 +47,11 @@ from tasks.evaluate_adapter.stage import (
 )
 from tasks.examples import ParquetExamples
 from tasks.gate import WEIGHTS, identity, same_adapter
+from tasks.hashing.files import file_sha256
+from tasks.hashing.keys import hash_json
 from tasks.limits import cpu_share
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, file_sha256, hash_json, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, read_manifest
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 

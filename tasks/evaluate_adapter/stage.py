@@ -47,17 +47,10 @@ from tasks.evaluate_adapter.generation import (
     split_prompt,
 )
 from tasks.examples import ParquetExamples, pad_collator
+from tasks.hashing.keys import hash_json
 from tasks.limits import cpu_share
 from tasks.log import logger
-from tasks.manifest import (
-    PREFERENCE_FORMATS,
-    DataMetrics,
-    StageSpec,
-    hash_json,
-    open_stage,
-    read_manifest,
-    upstream_key,
-)
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from tasks.errors import UserError
+from tasks.hashing.files import file_sha256
+from tasks.hashing.keys import hash_json
 from tasks.log import logger
-from tasks.manifest import file_sha256, hash_json
 from tasks.prepare_data.sources import Problems, RawChunk, content_sha256, file_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, tokenize_all
 

@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 from tasks.config import DataArgs
 from tasks.errors import UserError
-from tasks.manifest import file_sha256, files_fingerprint, hash_json
+from tasks.hashing.files import file_sha256, files_fingerprint
+from tasks.hashing.keys import hash_json
 from tasks.runtime import is_local, resolve_hub_revision
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw: one text row per line

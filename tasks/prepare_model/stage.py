@@ -21,8 +21,9 @@ from prefect import task
 from tasks import disk
 from tasks.caching import stage_task_options
 from tasks.config import ModelArgs
+from tasks.hashing.files import prefetch_sha256
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage, prefetch_sha256
+from tasks.manifest import StageSpec, open_stage
 from tasks.runtime import (
     LOAD_KWARGS,
     TOKENIZER_FILES,
@@ -52,9 +53,9 @@ def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
 
 def prefetch_fingerprint(args: ModelArgs, runs_dir: Path) -> threading.Thread | None:
     """Start hashing a local base model's files for this stage's key while the stages before it run (the flows
-    call it first; manifest.prefetch_sha256 says why). A hub model's key is its commit: nothing to hash. The
-    tokenizer's files are left out: prepare_data's key reads them at once, and on a host with few cores they
-    would queue behind the weights."""
+    call it first; tasks/hashing/files.py prefetch_sha256 says why). A hub model's key is its commit: nothing to
+    hash. The tokenizer's files are left out: prepare_data's key reads them at once, and on a host with few cores
+    they would queue behind the weights."""
     folder = Path(args.base_model).expanduser()
     if not (is_local(args.base_model) and folder.is_dir()):
         return None  # a folder that is not there: the stage's own key says so

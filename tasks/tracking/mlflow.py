@@ -40,8 +40,9 @@ from urllib.parse import unquote, urlsplit
 from tasks import credentials
 from tasks.config import TrackArgs
 from tasks.errors import UserError
+from tasks.hashing.keys import hash_json
 from tasks.log import logger
-from tasks.manifest import hash_json, read_manifest
+from tasks.manifest import read_manifest
 from tasks.tracking import NOT_SENT, PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "mlflow"

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks import disk
+from tasks.hashing.files import file_sha256
 from tasks.log import logger
-from tasks.manifest import file_sha256
 
 COMPLETE = "complete"  # marker written into a checkpoint folder once everything in it is saved
 

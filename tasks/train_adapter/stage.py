@@ -24,8 +24,9 @@ from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
+from tasks.hashing.files import files_fingerprint
 from tasks.limits import cpu_share, gpu_slot
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, files_fingerprint, open_stage, read_manifest
+from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest
 from tasks.runtime import allocator_restored
 from tasks.train_adapter import launch, liger, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint

@@ -130,7 +130,7 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     _cap(spec.get("cap_gib", 0))
     from tasks.config import LoraArgs
     from tasks.errors import UserError
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
     from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])

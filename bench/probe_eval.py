@@ -66,7 +66,7 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "de
     from tasks.config import EvalArgs
     from tasks.evaluate_adapter import stage
     from tasks.evaluate_adapter.generation import generation_tokens, greedy_generate
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
     from tasks.runtime import load_for_evaluation, load_tokenizer
 
     _allocator(mode)

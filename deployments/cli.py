@@ -293,7 +293,7 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.errors import UserError
     from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
-    from tasks.manifest import check_runs_dir
+    from tasks.on_disk.folders import check_runs_dir
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
@@ -379,7 +379,7 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks.errors import UserError
     from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
-    from tasks.manifest import check_runs_dir
+    from tasks.on_disk.folders import check_runs_dir
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
@@ -445,7 +445,7 @@ def _print_sweep(summary: dict[str, Any]) -> None:
 
 def _reused(candidate: dict[str, Any], flow_run: str | None) -> bool:
     """True when neither the candidate's training nor its evaluation was computed by this sweep's flow run."""
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
 
     folders = [candidate["adapter_dir"], candidate["eval_dir"]]
     manifests = [read_manifest(Path(folder)) for folder in folders if folder]

@@ -1,4 +1,5 @@
-"""What the Prefect UI shows of a run: per-stage summaries, training progress, the loss curve, failures.
+"""What the Prefect UI shows of a run: training progress, the loss curve, tables, failures (a stage's own summary:
+tasks/on_disk/summary.py).
 
 Every function here is a no-op outside a flow run (a stage called through .fn() has no server).
 """
@@ -11,69 +12,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks import disk
-from tasks.log import current_run_attempt
+from tasks.log import current_run_attempt, for_candidate
+from tasks.on_disk import disk
 
 
 def _in_run() -> bool:
     return current_run_attempt() is not None
-
-
-def candidate_run_name(stage: str, name: str, label: str) -> str:
-    """The task run name of a sweep candidate's stage (the UI lists it); its artifacts are keyed from it."""
-    return f"{stage}-{name} ({label})"
-
-
-def for_candidate(key: str, description: str) -> tuple[str, str]:
-    """An artifact's key and description, with the sweep candidate's name and overrides when the current task run
-    is a candidate's (candidate_run_name): the candidates of a sweep share one flow run, and shared keys made
-    every candidate's training update the first one's progress bar and loss curve."""
-    from prefect.runtime import task_run
-
-    found = re.fullmatch(r"\w+-(c\d+) \((.*)\)", task_run.name or "", flags=re.DOTALL)
-    return (key, description) if found is None else (f"{key}-{found[1]}", f"{found[1]} ({found[2]}): {description}")
-
-
-def stage_summary(manifest: dict[str, Any]) -> None:
-    """A markdown artifact per computed stage: what it read, what it wrote, how long it took."""
-    if not _in_run():
-        return
-    from prefect.artifacts import create_markdown_artifact
-
-    upstream = "".join(f"- {name} `{u['key']}`\n" for name, u in manifest["upstream"].items()) + _sources(manifest)
-    upstream = upstream or "- nothing recorded\n"
-    written = "".join(f"| `{name}` | {size:,} |\n" for name, size in manifest["outputs"].items())
-    metrics = "".join(f"| {k} | {_fmt(v)} |\n" for k, v in manifest["metrics"].items())
-    markdown = (
-        f"## {manifest['stage']} `{manifest['key']}`\n\n{_took(manifest)}\n\n"
-        f"### Read\n{upstream}\nSettings: `{json.dumps(manifest['params'])}`\n\n"
-        f"### Wrote\n| file | bytes |\n|---|---|\n{written}\n"
-        + (f"### Metrics\n| metric | value |\n|---|---|\n{metrics}" if metrics else "")
-    )
-    key, description = for_candidate(manifest["stage"].replace("_", "-"), f"{manifest['stage']}: inputs, outputs, "
-                                     "timing")
-    create_markdown_artifact(markdown=markdown, key=key, description=description)
-
-
-def _took(manifest: dict[str, Any]) -> str:
-    seconds, waited = manifest["seconds"], manifest["metrics"].get("gpu_wait_seconds") or 0
-    if waited < 1:
-        return f"Took {seconds:.1f} s."
-    return (f"Took {seconds:.1f} s: {waited:.1f} s waiting for the GPU slot (other runs' training), then "
-            f"{seconds - waited:.1f} s of its own work.")
-
-
-def _sources(manifest: dict[str, Any]) -> str:
-    """What a stage read besides upstream stages: the files and hub revisions its fingerprints hold."""
-    named = {f"{section}.{field}": value for section, fields in manifest["params"].items() if isinstance(fields, dict)
-             for field, value in fields.items() if field in _SOURCE_FIELDS and value}
-    lines = [f"- `{field}`: `{value}`\n" for field, value in named.items()]
-    lines += [f"- {name.removesuffix('_sha256').replace('_', ' ')}: content `{str(digest)[:16]}`\n"
-              for name, digest in manifest["fingerprint"].items()]
-    return "".join(lines)
-
-
-_SOURCE_FIELDS = ("source", "base_model", "init_adapter")  # config fields that name what a stage reads
 
 
 def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
@@ -111,10 +55,6 @@ def _escape(text: str) -> str:
 def _cell(text: str) -> str:
     short = text if len(text) <= CELL_CHARS else text[:CELL_CHARS] + " ..."
     return _escape(" ⏎ ".join(line.strip() for line in short.splitlines() if line.strip()))
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _upsert(key: str, kind: str, data: Any, description: str, flow_run_id: Any = None) -> Any:

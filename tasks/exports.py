@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.errors import UserError
-from tasks.manifest import MANIFEST, check_stage
+from tasks.on_disk.manifest import MANIFEST, check_stage
 from tasks.registry import ADAPTER_FILES, VERSION_FILE, champion, damage_in, read_record, registry_dir, repaired
 
 _FIX = ("Publish it again (re-run the pipeline that exported it), or name another adapter folder "

@@ -42,7 +42,6 @@ from typing import Any
 
 from filelock import FileLock
 
-from tasks import disk
 from tasks.errors import UserError
 
 # gate, identity and rule are the registry's gate as its callers name it (registry.gate: the sweep's ranking)
@@ -50,7 +49,8 @@ from tasks.gate import WEIGHTS, gate, identity, nothing_to_add, rule, verdict  #
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
-from tasks.manifest import MANIFEST, check_stage, read_manifest
+from tasks.on_disk import disk
+from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 
 VERSION_FILE = "version.json"
 CHAMPION = "champion.json"

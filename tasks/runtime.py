@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.errors import UserError
 from tasks.hashing.files import files_fingerprint
 from tasks.log import logger
-from tasks.manifest import ModelMetrics, read_manifest
+from tasks.on_disk.manifest import ModelMetrics, read_manifest
 
 if TYPE_CHECKING:
     import torch

@@ -30,14 +30,15 @@ import yaml
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ValidationError, WithJsonSchema
 
-from tasks import artifacts, disk, registry, tracking
+from tasks import artifacts, registry, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
 from tasks.limits import pool_gpus
-from tasks.log import current_run_attempt, logger
-from tasks.manifest import read_manifest
+from tasks.log import candidate_run_name, current_run_attempt, logger
+from tasks.on_disk import disk
+from tasks.on_disk.manifest import read_manifest
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -317,8 +318,8 @@ class SignalLeavesThreads(ThreadPoolTaskRunner):
 
 def named(task: Any, candidate: Candidate) -> Any:
     """`task` (a stage) for this candidate: its task runs named for the candidate in the UI, "train_adapter-c2
-    (lora.r=8)", and its artifacts keyed by it (artifacts.for_candidate)."""
-    name = artifacts.candidate_run_name(task.name, candidate.name, _show(candidate.label))
+    (lora.r=8)", and its artifacts keyed by it (log.for_candidate)."""
+    name = candidate_run_name(task.name, candidate.name, _show(candidate.label))
     return task.with_options(task_run_name=lambda: name)  # a callable: a string would be formatted with the inputs
 
 

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter import launch, parallel

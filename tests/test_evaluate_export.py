@@ -16,7 +16,7 @@ from tasks.config import EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, T
 from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.manifest import MANIFEST, read_manifest
+from tasks.on_disk.manifest import MANIFEST, read_manifest
 from tasks.train_adapter.stage import train_adapter
 
 SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}
@@ -80,7 +80,7 @@ def test_evaluate_writes_metrics_and_samples(trained: dict[str, Any]) -> None:
     metrics = read_manifest(folder).metrics.model_dump(exclude_unset=True)
     assert metrics == json.loads((folder / "metrics.json").read_text())
     assert metrics["eval_examples"] == 12 and metrics["generation_samples"] == 6
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")
     labels = [examples[i]["labels"][1:] for i in range(12)]  # next-token targets: the first label is never scored
@@ -270,7 +270,7 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: di
 def _eval_inputs(trained: dict[str, Any], size: int) -> tuple[list[dict[str, Any]], list[list[int]], list[int]]:
     """The first 40 eval examples in length-sorted batches, their prompts, and the eos ids."""
     from tasks.evaluate_adapter.stage import _batches
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
     from tasks.runtime import load_tokenizer
 
     examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")

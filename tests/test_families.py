@@ -256,7 +256,7 @@ def test_llama_names_on_gpt2_fail_before_training_with_the_real_list(gpt2_stages
 
 def test_unsupported_attention_falls_back_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from tasks.config import ModelArgs
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
     from tasks.prepare_model.stage import prepare_model
 
     source = build_family_model("gemma2", tmp_path / "gemma2")

@@ -32,7 +32,7 @@ from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.exports import resolve_adapter
-from tasks.manifest import MANIFEST, read_manifest
+from tasks.on_disk.manifest import MANIFEST, read_manifest
 
 EVAL = EvalArgs(max_samples=16, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=8)
 # a few steps on the tiny model move its eval loss by about 1%: the gate's margin must be below that

@@ -144,7 +144,7 @@ def test_gguf_types_are_validated_and_need_merge() -> None:
 def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> None:
     import gguf
 
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
 
     folder = exported["folder"]
     ggufs = folder / "gguf"

@@ -19,7 +19,7 @@ import pytest
 
 from tasks.config import PROJECT_ROOT, LoraArgs, SpeedArgs, TrainArgs
 from tasks.limits import CPU_LIMIT, GPU_LIMIT, THREADS_VARIABLE, WAITING_STATE, cpu_threads, device_limit, gpu_slot
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tests.conftest import (
     cli,
     cli_env,

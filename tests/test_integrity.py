@@ -27,7 +27,7 @@ from tasks.config import (
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.hashing.files import HASH_MEMO
-from tasks.manifest import MANIFEST, check_stage, read_manifest
+from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.checkpoints import latest_checkpoint, write_marker

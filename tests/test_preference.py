@@ -468,7 +468,7 @@ def test_dpo_on_two_processes_trains_equal_micro_batches(pairs: dict[str, str], 
     each: with groups sized in tokens (speed.max_tokens_per_batch; the memory plan's on a GPU) the two gloo
     processes' all_gather shapes differed (3 against 2) and training failed. With several processes DPO trains
     micro-batches of per_device_train_batch_size pairs."""
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
     from tasks.train_adapter import launch
     from tasks.train_adapter.stage import train_adapter
 

@@ -28,7 +28,7 @@ from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.exports import resolve_adapter
 from tasks.hashing.files import file_sha256
-from tasks.manifest import MANIFEST, read_manifest
+from tasks.on_disk.manifest import MANIFEST, read_manifest
 from tasks.train_adapter.stage import train_adapter
 
 # the keys of tests/test_gate.py's adapters and evaluation: in one session these stages are computed once

@@ -23,7 +23,7 @@ from deployments.cli import USER_ERROR_EXIT, _print_summary, main
 from tasks.config import EMBEDDED_DATA, LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
 from tasks.hashing.files import HASH_MEMO, INPUT_HASH_MEMO
-from tasks.manifest import MANIFEST
+from tasks.on_disk.manifest import MANIFEST
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 from tests.conftest import cli, cli_env, finish, last_json, small_overrides, wait_for_checkpoint
@@ -476,7 +476,7 @@ def test_libraries_full_disk_errors_are_recognised(small_disk: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from tasks.disk import is_out_of_space
+    from tasks.on_disk.disk import is_out_of_space
 
     _fill(small_disk, 100_000)
     tensors = {"w": torch.zeros(1_000_000)}  # 4 MB

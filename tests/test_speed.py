@@ -305,7 +305,7 @@ def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) ->
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7]], "labels": [[-100, 2, 3, -100, 5], [-100, 7]],
                              "position_ids": [[0, 1, 2, 0, 1], [0, 1]], "seq_lengths": [[3, 2], [2]]}),

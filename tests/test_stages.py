@@ -10,7 +10,7 @@ import pytest
 
 from tasks.config import EMBEDDED_MODEL, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 

@@ -21,7 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.config import PROJECT_ROOT, load_config
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tests.conftest import cli, cli_env, finish, run_flow, small_overrides, statuses
 
 

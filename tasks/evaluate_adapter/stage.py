@@ -32,8 +32,7 @@ from typing import Any
 
 from prefect import task
 
-from tasks import artifacts, disk
-from tasks.caching import stage_task_options
+from tasks import artifacts
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
@@ -46,11 +45,14 @@ from tasks.evaluate_adapter.generation import (
     score,
     split_prompt,
 )
-from tasks.examples import ParquetExamples, pad_collator
 from tasks.hashing.keys import hash_json
 from tasks.limits import cpu_share
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest, upstream_key
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
+from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention

@@ -29,14 +29,16 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import disk, registry
-from tasks.caching import stage_task_options
+from tasks import registry
 from tasks.config import ExportArgs, RunConfig
 from tasks.errors import UserError
 from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
-from tasks.manifest import ChampionScores, Manifest, StageSpec, open_stage, read_manifest
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import ChampionScores, Manifest, read_manifest
 from tasks.runtime import TOKENIZER_FILES
 
 # 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 from prefect import task
 
-from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
 from tasks.limits import cpu_threads
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, open_stage, read_manifest
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
 from tasks.prepare_data import overlap, parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks

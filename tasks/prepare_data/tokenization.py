@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks import disk
 from tasks.log import logger
+from tasks.on_disk import disk
 from tasks.prepare_data.formats import Segments, fold_system, to_segments
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 

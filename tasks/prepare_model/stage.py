@@ -18,12 +18,12 @@ from typing import Any
 
 from prefect import task
 
-from tasks import disk
-from tasks.caching import stage_task_options
 from tasks.config import ModelArgs
 from tasks.hashing.files import prefetch_sha256
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.runtime import (
     LOAD_KWARGS,
     TOKENIZER_FILES,

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks import disk
 from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.manifest import Manifest, read_manifest
+from tasks.on_disk import disk
+from tasks.on_disk.manifest import Manifest, read_manifest
 
 REFS = ".tracking.json"  # in the train_adapter folder while it trains: the runs its Trainer callbacks report into
 PENDING = "tracking-pending"  # runs_dir/tracking-pending/<backend>-<export key>.json: results a backend did not take

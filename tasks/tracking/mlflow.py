@@ -42,7 +42,7 @@ from tasks.config import TrackArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.tracking import NOT_SENT, PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "mlflow"

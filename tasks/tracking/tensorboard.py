@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from tasks import disk
 from tasks.config import TrackArgs
+from tasks.on_disk import disk
 from tasks.tracking import PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "tensorboard"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from tasks.artifacts import TrainingProgress, loss_curve
-from tasks.examples import pad_collator
 from tasks.log import logger
+from tasks.on_disk.parquet_dataset import pad_collator
 from tasks.train_adapter.checkpoints import write_marker
 
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import disk
 from tasks.hashing.files import file_sha256
 from tasks.log import logger
+from tasks.on_disk import disk
 
 COMPLETE = "complete"  # marker written into a checkpoint folder once everything in it is saved
 

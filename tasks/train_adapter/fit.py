@@ -11,8 +11,8 @@ from typing import Any
 from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.examples import ParquetExamples
 from tasks.log import logger
+from tasks.on_disk.parquet_dataset import ParquetExamples
 from tasks.runtime import device, load_quantized, read_model_metrics
 from tasks.train_adapter import plan
 from tasks.train_adapter.checkpoints import latest_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from tasks.examples import ParquetExamples
+from tasks.on_disk.parquet_dataset import ParquetExamples
 
 
 def plan_packs(lengths: list[int], max_tokens: int | None, max_examples: int | None, seed: int) -> list[list[int]]:

@@ -18,7 +18,8 @@ from prefect.context import TaskRunContext
 
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
-from tasks.manifest import StageSpec, read_manifest
+from tasks.on_disk.folders import StageSpec
+from tasks.on_disk.manifest import read_manifest
 
 _TRANSIENT_NAMES = ("Connect", "Timeout", "TransportError", "RemoteProtocolError", "ChunkedEncoding")
 

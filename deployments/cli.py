@@ -162,7 +162,7 @@ def _presets() -> int:
 
 def _setup(args: argparse.Namespace) -> int:
     from deployments import setup
-    from tasks.limits import visible_gpus
+    from tasks.pool.gpus import visible_gpus
 
     if args.command == "deploy":
         return setup.deploy(args.git, args.branch)
@@ -218,8 +218,8 @@ def _parameters_too_large(config: Any) -> str | None:
 
 
 def _gpus_problem(config: Any) -> str | None:
-    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/limits.py), before any run."""
-    from tasks.limits import num_gpus_problem
+    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/pool/gpus.py), before any run."""
+    from tasks.pool.gpus import num_gpus_problem
 
     return num_gpus_problem(config.speed.num_gpus)
 
@@ -291,9 +291,9 @@ def _run(config: Any, as_json: bool) -> int:
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
-    from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.on_disk.folders import check_runs_dir
+    from tasks.pool.leases import uses_server
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
@@ -327,7 +327,7 @@ def _server() -> Any:
     """The Prefect server this process's runs go to: the shared one (PREFECT_API_URL), else one it serves itself
     from a thread (deployments/temporary_server.py: it lives exactly as long as this process)."""
     from deployments.temporary_server import temporary_server
-    from tasks.limits import uses_server
+    from tasks.pool.leases import uses_server
 
     return nullcontext() if uses_server() else temporary_server(
         float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
@@ -377,9 +377,9 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from flows.qlora_sweep import qlora_sweep
     from tasks import sweep
     from tasks.errors import UserError
-    from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.on_disk.folders import check_runs_dir
+    from tasks.pool.leases import uses_server
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last

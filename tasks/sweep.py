@@ -35,10 +35,10 @@ from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
-from tasks.limits import pool_gpus
 from tasks.log import candidate_run_name, current_run_attempt, logger
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import read_manifest
+from tasks.pool.gpus import pool_gpus
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -286,7 +286,7 @@ def training_runner() -> Iterator[Any]:
     alone, and the pool's slots bound how many (a candidate that finds none free shows "Waiting for GPU").
     Evaluations stay on the flow's own runner, one at a time, in this process. On a CPU-only worker, training runs
     in this process, so the candidates go one at a time; at once they would only split the same cores (each
-    training's threads are already sized to its share of them, tasks/limits.py cpu_share).
+    training's threads are already sized to its share of them, tasks/pool/cpus.py cpu_share).
     """
     from prefect.context import FlowRunContext
 

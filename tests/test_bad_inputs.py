@@ -291,7 +291,8 @@ def test_num_gpus_beyond_what_this_machine_has_fails_before_anything_runs(
     CUDA_VISIBLE_DEVICES lists where it stands for GPUs; beyond that, exit 2 at validate time (and in the stage,
     for a run started from the form)."""
     from deployments.cli import USER_ERROR_EXIT, main
-    from tasks.limits import gpu_slot, host_cores
+    from tasks.pool.cpus import host_cores
+    from tasks.pool.gpus import gpu_slot
 
     cores = host_cores()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

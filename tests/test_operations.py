@@ -157,7 +157,7 @@ def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.Log
     from prefect.concurrency.sync import concurrency
     from prefect.runtime import task_run
 
-    from tasks.limits import GPU_LIMIT, WAITING_STATE, gpu_slot
+    from tasks.pool.gpus import GPU_LIMIT, WAITING_STATE, gpu_slot
 
     held, release = threading.Event(), threading.Event()
 

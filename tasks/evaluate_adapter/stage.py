@@ -46,13 +46,13 @@ from tasks.evaluate_adapter.generation import (
     split_prompt,
 )
 from tasks.hashing.keys import hash_json
-from tasks.limits import cpu_share
 from tasks.log import logger
 from tasks.on_disk import disk
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
+from tasks.pool.cpus import cpu_share
 from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
@@ -72,7 +72,7 @@ def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_
 @task(name="evaluate_adapter", **stage_task_options(spec))
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
     """Eval loss, perplexity and generation metrics of the base model and base + adapter."""
-    # this run's share of the host's cores for torch (tasks/limits.py)
+    # this run's share of the host's cores for torch (tasks/pool/cpus.py)
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage, cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)

@@ -238,8 +238,8 @@ def _sha256(path: Path) -> str:
 
 
 def _hash_threads() -> int:
-    """Threads for hashing: the run's share of the host's cores (tasks/limits.py), at least 1."""
-    from tasks.limits import cpu_share_threads  # lazily: limits reads the Prefect server where there is one
+    """Threads for hashing: the run's share of the host's cores (tasks/pool/cpus.py), at least 1."""
+    from tasks.pool.cpus import cpu_share_threads  # lazily: it reads the Prefect server where there is one
 
     try:
         return cpu_share_threads()[0]

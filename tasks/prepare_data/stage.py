@@ -30,11 +30,11 @@ from prefect import task
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
-from tasks.limits import cpu_threads
 from tasks.log import logger
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
+from tasks.pool.cpus import cpu_threads
 from tasks.prepare_data import overlap, parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
@@ -244,7 +244,7 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = N
 
 
 def _cores() -> int:
-    """Tokenizer worker processes: this run's share of the host's cores (tasks/limits.py)."""
+    """Tokenizer worker processes: this run's share of the host's cores (tasks/pool/cpus.py)."""
     return cpu_threads("prepare_data (tokenizer workers)")
 
 

@@ -24,10 +24,11 @@ from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
 from tasks.hashing.files import files_fingerprint
-from tasks.limits import cpu_share, gpu_slot
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
+from tasks.pool.cpus import cpu_share
+from tasks.pool.gpus import gpu_slot
 from tasks.runtime import allocator_restored
 from tasks.train_adapter import launch, liger, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint

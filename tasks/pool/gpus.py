@@ -1,4 +1,4 @@
-"""The GPU pool and the host's CPU share, both on Prefect's global concurrency limits (nothing home-made).
+"""The GPU pool, on Prefect's global concurrency limits (nothing home-made; the host's CPU share: cpus.py).
 
 GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The GPU pool"):
 
@@ -15,13 +15,13 @@ GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The
 A pool without device limits (0 GPUs, or a server set up before the pool existed) is today's single slot: one
 training at a time, on whatever this process sees, and gpu_slot yields None.
 
-The pool against a server restart (tasks/leases.py holds the mechanism): Prefect counts active slots in its
+The pool against a server restart (leases.py holds the mechanism): Prefect counts active slots in its
 database and keeps the leases behind them in its lease storage, in memory by default, so a restart used to leave
 every held slot counted for good (no lease left to renew, release or expire). Prefect's own answer is a lease
 storage that survives restarts (prefect.server.concurrency.lease_storage.filesystem, usable with SQLite and
 Postgres on one server host; `setup` says which one the server uses), but the default must hold too, Prefect's
 `concurrency()` stops renewing after a few seconds of outage, and its API lists no leases of a global limit. So
-slots are held through tasks/leases.py's `hold` (Prefect's lease endpoints, renewed for as long as the server is
+slots are held through leases.py's `hold` (Prefect's lease endpoints, renewed for as long as the server is
 away), and a sentinel lease tells whether the server still knows the pool's leases: when it does not, one process
 sets the pool's counts to 0 and the trainings still running re-claim their own slots first. A training whose
 lease is lost re-claims its GPUs (during the grace period nobody else can take them); only where another run has
@@ -29,12 +29,6 @@ taken them meanwhile (a server that kept its leases but let this one expire duri
 as a SIGTERM would, rather than share a GPU. We keep no record of holders beside Prefect's: Prefect 3.9 stores a
 lease's holder (the train_adapter task run, passed here) but neither its API nor its Concurrency page shows the
 holders of a global limit, so which run holds a GPU is in that run's log ("holds GPU(s) ...") and its manifest.
-
-CPU share (cpu_share, cpu_threads): `qlora-cpu` is a counter, not a gate (CPU_COUNTER_SLOTS): every process that
-trains or evaluates holds one slot while it computes, so its active slots are the runs computing on this host now,
-and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share;
-without a Prefect server the 1-minute load average over the cores stands for the number of runs (load 4 on 2 cores:
-2, so 1 thread each).
 """
 
 from __future__ import annotations
@@ -47,15 +41,13 @@ from typing import Any
 from uuid import UUID
 
 from tasks.errors import UserError
-from tasks.leases import LEASE_SECONDS, check_server_leases, hold
 from tasks.log import current_run_attempt, logger
+from tasks.pool.cpus import host_cores
+from tasks.pool.leases import LEASE_SECONDS, check_server_leases, hold, uses_server
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 PLACEMENT_LIMIT = "qlora-gpu-placement"
-CPU_LIMIT = "qlora-cpu"
-CPU_COUNTER_SLOTS = 10_000  # a counter: never reached, so nobody waits for it
 WAITING_STATE = "Waiting for GPU"
-THREADS_VARIABLE = "QLORA_CPU_THREADS"  # an explicit thread count per process, over the share
 
 
 def device_limit(index: int) -> str:
@@ -116,19 +108,6 @@ def _pool_too_small(gpus: int, size: int) -> str:
     return (f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU of the worker. "
             f"Set speed.num_gpus to {size} or less, or size the pool with `qlora-pipeline setup --gpus {gpus}` on a "
             f"worker with that many GPUs.")
-
-
-def uses_server() -> bool:
-    """True when runs go to a Prefect server (PREFECT_API_URL), where several runs can compete for the GPU.
-
-    A run without one gets a temporary server of its own, which no other run shares; taking the slot there
-    guards nothing, and on that SQLite-backed temporary server it was seen to block the run indefinitely.
-    """
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    # the API `qlora-pipeline run` serves itself (deployments/temporary_server.py) is as temporary as Prefect's own
-    return bool(url) and url != os.environ.get("QLORA_TEMPORARY_API_URL")
 
 
 @contextmanager
@@ -199,7 +178,7 @@ def _pool() -> tuple[int, bool]:
 
 
 def _take(held: ExitStack, name: str, slots: int, waiting: _Waiting | None = None) -> None:
-    """Take `slots` slots of `name` into `held` (tasks/leases.py keeps them through a server restart)."""
+    """Take `slots` slots of `name` into `held` (leases.py keeps them through a server restart)."""
     from prefect.runtime import task_run
 
     holder = UUID(str(task_run.id)) if task_run.id else None
@@ -217,7 +196,7 @@ def _place(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[i
         deadline = time.monotonic() + 2 * LEASE_SECONDS  # a killed run's device lease lapses within LEASE_SECONDS
         while True:
             with get_client(sync_client=True) as client:
-                # after a repair of the pool, its running trainings re-claim their devices first (tasks/leases.py)
+                # after a repair of the pool, its running trainings re-claim their devices first (leases.py)
                 if (grace := check_server_leases(client)) > 0:
                     waiting.start()
                     time.sleep(min(grace, 1.0))
@@ -312,68 +291,3 @@ def _no_other_training(client: Any, run: Any) -> bool:
 
 def _flow_waits(_client: Any, run: Any) -> bool:
     return run.state is not None and run.state.name == WAITING_STATE
-
-
-def host_cores() -> int:
-    """Cores this process may run on (its affinity, which a container or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def cpu_threads(stage: str, processes: int = 1, holding: bool = False) -> int:
-    """Threads for each of this run's `processes` on this host (cpu_share_threads), said in one log line."""
-    threads, why = cpu_share_threads(processes, holding)
-    logger().info("%s: %s", stage, why)
-    return threads
-
-
-def cpu_share_threads(processes: int = 1, holding: bool = False) -> tuple[int, str]:
-    """Threads for each of this run's `processes` on this host, and why: an explicit QLORA_CPU_THREADS /
-    OMP_NUM_THREADS, else the run's share of the cores, cores // (runs computing now x processes), at least 1.
-    `holding`: this run already holds its `qlora-cpu` slot (cpu_share), so it is among the runs counted."""
-    for variable in (THREADS_VARIABLE, "OMP_NUM_THREADS"):
-        if (value := os.environ.get(variable, "").strip()).isdigit() and int(value) > 0:
-            return int(value), f"{value} thread(s) per process ({variable} is set)"
-    cores = host_cores()
-    runs, measured = _runs_computing(cores, holding)
-    threads = max(1, cores // (runs * processes))
-    each = f"{threads} thread(s)" + (f" for each of {processes} processes" if processes > 1 else "")
-    return threads, f"{measured}: {each} (set {THREADS_VARIABLE} to choose)"
-
-
-def _runs_computing(cores: int, holding: bool) -> tuple[int, str]:
-    """How many runs compute on this host now, this one included, and what was measured to say so."""
-    if uses_server():
-        from prefect import get_client
-        from prefect.exceptions import ObjectNotFound
-
-        with get_client(sync_client=True) as client:
-            try:
-                active = client.read_global_concurrency_limit_by_name(CPU_LIMIT).active_slots
-            except ObjectNotFound:
-                return 1, (f"{cores} cores, other runs not counted (no {CPU_LIMIT!r} limit on the server: "
-                           "`qlora-pipeline setup` creates it)")
-        runs = max(1, active + (0 if holding else 1))
-        return runs, f"{runs} run(s) computing on {cores} cores (active slots of {CPU_LIMIT!r}, this run included)"
-    # no shared server: the runs cannot see each other, only how busy the host is; a load of twice the cores counts
-    # as two runs' worth of work, whoever makes it
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, round(load / cores)), f"load average {load:.1f} on {cores} cores"
-
-
-@contextmanager
-def cpu_share(stage: str, processes: int = 1) -> Iterator[int]:
-    """Count this run among those computing on the host while the block runs (a slot of `qlora-cpu`, where there is
-    a server and a flow run) and set torch's intra-op threads to its share; yields threads per process."""
-    import torch
-
-    with ExitStack() as held:
-        holding = current_run_attempt() is not None and uses_server()
-        if holding:  # not strict: a server set up before this limit existed just shares less well
-            holding = held.enter_context(hold(CPU_LIMIT, 1, strict=False, critical=False))
-        threads = cpu_threads(stage, processes, holding)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            yield threads
-        finally:
-            torch.set_num_threads(before)

@@ -1,6 +1,6 @@
 """Slots of Prefect's global concurrency limits held under leases that outlive a Prefect server restart.
 
-Why this module exists (tasks/limits.py says why the pool is built on these limits at all): Prefect 3 counts a
+Why this module exists (gpus.py says why the pool is built on these limits at all): Prefect 3 counts a
 limit's active slots in its database but keeps the leases that hold them in the server's lease storage, which is
 the server's memory unless the server sets PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE. A restart then forgets every
 lease and keeps every count: renewals get `410 Gone`, a release finds no lease and frees nothing, and the
@@ -51,11 +51,24 @@ LEASE_SECONDS = 60  # the shortest lease Prefect's server accepts: a killed run'
 RENEW_SECONDS = LEASE_SECONDS / 4  # renewed with 45 s left: a server away for less than that costs nothing
 RETRY_SECONDS = 2.0  # while the server is away or the slots are taken (at most; the server may ask for less)
 GRACE_SECONDS = LEASE_SECONDS  # after a repair, the runs that held slots have this long to re-claim them
-POOL_PREFIX = "qlora-"  # the GPU pool's limits and the CPU counter (tasks/limits.py): what a repair resets
+POOL_PREFIX = "qlora-"  # the GPU pool's limits and the CPU counter (gpus.py, cpus.py): what a repair resets
 SENTINEL_LIMIT = "qlora-gpu-leases"  # 1 slot, held by the sentinel lease while the server keeps its leases
 SENTINEL_SECONDS = 86_400  # the longest lease Prefect grants; every holder renews it
 EPOCH_VARIABLE = "qlora_gpu_leases"  # {"sentinel": lease id, "repaired_at": time.time() of the last repair}
 RESET_PREFIX = "qlora_gpu_leases_reset_"  # + the lost sentinel's id: created once, by the process that repairs
+
+
+def uses_server() -> bool:
+    """True when runs go to a Prefect server (PREFECT_API_URL), where several runs can compete for the GPU.
+
+    A run without one gets a temporary server of its own, which no other run shares; taking the slot there
+    guards nothing, and on that SQLite-backed temporary server it was seen to block the run indefinitely.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    # the API `qlora-pipeline run` serves itself (deployments/temporary_server.py) is as temporary as Prefect's own
+    return bool(url) and url != os.environ.get("QLORA_TEMPORARY_API_URL")
 
 
 def is_pool_limit(name: str) -> bool:

@@ -350,7 +350,7 @@ def worker_refloss(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     model = prepare_model_for_kbit_training(load_quantized(Path(spec["model_dir_4bit"])),
                                             use_gradient_checkpointing=True)

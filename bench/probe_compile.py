@@ -72,7 +72,7 @@ def build(device: str, checkpoint: str, source: str, speed: dict[str, Any]) -> A
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from tasks.config import SpeedArgs
-    from tasks.runtime import LOAD_KWARGS
+    from tasks.models.loading import LOAD_KWARGS
     from tasks.train_adapter.checkpointing import enable_checkpointing
     from tasks.train_adapter.plan import prepare_base, prepare_peft
 

@@ -172,7 +172,7 @@ def test_max_seq_length_beyond_the_models_positions(tmp_path: Path) -> None:
 def test_hub_ids_that_cannot_be_resolved_fail_fast_without_retries(tmp_path: Path, offline: str) -> None:
     """Online mode cannot connect (the hub endpoint is a closed localhost port), offline mode has no cache entry;
     both fail at once."""
-    code = ("from tasks.runtime import resolve_hub_revision\n"
+    code = ("from tasks.models.sources import resolve_hub_revision\n"
             "resolve_hub_revision('nobody/no-such-model-xyz', None)")
     with socket.socket() as s:  # a port nothing listens on: bound, never listened to, released
         s.bind(("127.0.0.1", 0))

@@ -66,7 +66,7 @@ def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Pat
     """Stored as float32 (the CPU compute dtype) the packed 4-bit weights are the same bits: same logits."""
     import torch
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     runs = tmp_path / "runs"
     packed = Path(prepare_model.fn(ModelArgs(), runs))

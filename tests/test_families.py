@@ -65,12 +65,12 @@ def test_family_trains_with_defaults_and_exports_a_working_adapter(family: str, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     summary = _run_family(family, family_runs, family_root)
     metrics = summary["metrics"]
     assert metrics["tuned_eval_loss"] < metrics["base_eval_loss"]
-    # every layer LoRA can target is 4-bit (Falcon's FalconLinear stayed bf16 before runtime.plain_linear_layers)
+    # every layer LoRA can target is 4-bit (Falcon's FalconLinear stayed bf16 before quirks.plain_linear_layers)
     modules = json.loads((Path(summary["stages"]["prepare_model"]["dir"]) / "modules.json").read_text())
     assert modules["linear_4bit"] and not modules["linear_other"], modules
     export = Path(summary["export_dir"])
@@ -164,7 +164,7 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
 def test_model_dims_read_each_familys_config_names() -> None:
     import transformers as tf
 
-    from tasks.model_dims import model_dims
+    from tasks.models.dims import model_dims
     from tests.families import family_config
 
     for family in FAMILIES:
@@ -202,8 +202,8 @@ def test_layers_that_cpu_repacking_cannot_take_keep_the_plain_4bit_path(tmp_path
 
     from tasks.config import ModelArgs
     from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.models.loading import load_quantized
     from tasks.prepare_model.stage import prepare_model
-    from tasks.runtime import load_quantized
 
     source = build_family_model("llama", tmp_path / "odd", hidden=64, intermediate=172)
     model_dir = Path(prepare_model.fn(ModelArgs(base_model=str(source)), tmp_path / "runs"))

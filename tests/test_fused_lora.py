@@ -244,7 +244,7 @@ def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
 def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stages: dict[str, str]) -> None:
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
     from tasks.train_adapter.stage import train_adapter
 
     folders, losses = {}, {}

@@ -171,7 +171,8 @@ def _dequantized_base(model_dir: Path, out: Path) -> Any:
     with the tokenizer; returns the model."""
     import torch
 
-    from tasks.runtime import TOKENIZER_FILES, load_quantized
+    from tasks.models.loading import load_quantized
+    from tasks.models.sources import TOKENIZER_FILES
 
     base = load_quantized(model_dir).dequantize().to(torch.float32)
     base.save_pretrained(out)

@@ -19,10 +19,10 @@ import pytest
 from tasks.config import load_config
 from tasks.hashing import files as file_hashes
 from tasks.hashing.files import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256, prefetch_sha256
+from tasks.models.sources import TOKENIZER_FILES
 from tasks.prepare_data.stage import spec as data_spec
 from tasks.prepare_model.stage import prefetch_fingerprint
 from tasks.prepare_model.stage import spec as model_spec
-from tasks.runtime import TOKENIZER_FILES
 from tests.conftest import settled
 
 

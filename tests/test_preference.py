@@ -77,7 +77,7 @@ def test_bad_labels_and_empty_completions_of_rated_answers(tmp_path: Path) -> No
 def test_pairs_tokenize_to_trls_columns_with_mapping_and_chat_form(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
 
     tok = load_tokenizer(Path(str(ModelArgs().base_model)))
     rows = [{"question": GOOD["prompt"], "good": GOOD["chosen"], "bad": GOOD["rejected"]}]
@@ -169,7 +169,7 @@ def test_dpo_end_to_end_raises_reward_accuracy_then_reruns_cached(prefect_env: P
     import torch
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     overrides = [f"{k}={v}" for k, v in {
         "runs_dir": tmp_path / "runs", "data.source": EMBEDDED_PREFERENCES, "train.method": "dpo",

@@ -23,7 +23,7 @@ TOKENIZER = None
 def tokenizer() -> Any:
     global TOKENIZER
     if TOKENIZER is None:
-        from tasks.runtime import load_tokenizer
+        from tasks.models.loading import load_tokenizer
 
         TOKENIZER = load_tokenizer(EMBEDDED_MODEL)
     return TOKENIZER

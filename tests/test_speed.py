@@ -452,12 +452,12 @@ def test_module_level_patches_are_undone_after_training() -> None:
 
 
 def test_a_flow_start_freezes_startup_objects_and_later_cycles_are_still_freed() -> None:
-    """runtime.freeze_startup_objects (the flows' on_running hook) takes what exists out of the collector's scans;
+    """memory.freeze_startup_objects (the flows' on_running hook) takes what exists out of the collector's scans;
     what is built afterwards, a model in a reference cycle included, is still freed by release_device_memory."""
     code = """
 import gc, weakref
 import torch
-from tasks.runtime import freeze_startup_objects, release_device_memory
+from tasks.models.memory import freeze_startup_objects, release_device_memory
 assert gc.get_freeze_count() == 0
 freeze_startup_objects()
 frozen = gc.get_freeze_count()

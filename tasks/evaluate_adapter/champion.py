@@ -49,10 +49,11 @@ from tasks.gate import WEIGHTS, identity, same_adapter
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
+from tasks.models.loading import load_for_evaluation, load_tokenizer
+from tasks.models.memory import release_device_memory
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, read_manifest
 from tasks.on_disk.parquet_dataset import ParquetExamples
 from tasks.pool.cpus import cpu_share
-from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 
 @dataclass

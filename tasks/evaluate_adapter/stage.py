@@ -47,13 +47,14 @@ from tasks.evaluate_adapter.generation import (
 )
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
+from tasks.models.loading import load_for_evaluation, load_tokenizer
+from tasks.models.memory import release_device_memory
 from tasks.on_disk import disk
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
 from tasks.pool.cpus import cpu_share
-from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
 # without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);

@@ -35,11 +35,11 @@ from tasks.errors import UserError
 from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
+from tasks.models.sources import TOKENIZER_FILES
 from tasks.on_disk import disk
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import ChampionScores, Manifest, read_manifest
-from tasks.runtime import TOKENIZER_FILES
 
 # 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
 # Conv1D layers; 2: registry, merged model, generation metrics
@@ -140,7 +140,8 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     import torch
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized, release_device_memory
+    from tasks.models.loading import load_quantized
+    from tasks.models.memory import release_device_memory
 
     # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
     # original full-precision ones, whose quantization error the adapter never saw)

@@ -31,6 +31,8 @@ from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
+from tasks.models.loading import load_tokenizer
+from tasks.models.sources import TOKENIZER_FILES, max_positions, model_fingerprint, model_path
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
@@ -39,7 +41,6 @@ from tasks.prepare_data import overlap, parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, detokenize, make_settings, tokenize_all
-from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
 VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]

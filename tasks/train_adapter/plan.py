@@ -14,9 +14,9 @@ from typing import Any
 from tasks.config import PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.model_dims import model_dims
+from tasks.models.dims import model_dims
+from tasks.models.memory import set_expandable_segments
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
-from tasks.runtime import set_expandable_segments
 from tasks.train_adapter import recompute_skip
 from tasks.train_adapter.attention import dense_attention, use_packed_attention
 from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings

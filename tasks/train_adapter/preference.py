@@ -39,7 +39,7 @@ from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.runtime import device, load_quantized, read_model_metrics
+from tasks.models.loading import device, load_quantized, read_model_metrics
 from tasks.train_adapter import plan
 from tasks.train_adapter.checkpoints import latest_checkpoint
 
@@ -192,7 +192,7 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     elsewhere every layer recomputed while train.gradient_checkpointing is on, as before."""
     import torch
 
-    from tasks.model_dims import model_dims
+    from tasks.models.dims import model_dims
     from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
     from tasks.train_adapter.mlp import decoder_layers, recompute_mlps
 
@@ -369,7 +369,7 @@ def _collator(train: TrainArgs, pad_id: int) -> Any:
 
 
 def _tokenizer(model_dir: Path) -> Any:
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
 
     return load_tokenizer(model_dir)
 

@@ -24,12 +24,12 @@ from tasks.errors import UserError
 from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.exports import resolve_adapter
 from tasks.hashing.files import files_fingerprint
+from tasks.models.memory import allocator_restored
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
 from tasks.pool.gpus import gpu_slot
-from tasks.runtime import allocator_restored
 from tasks.train_adapter import launch, liger, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save

@@ -464,10 +464,10 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
     damaged records (the registry's heal); a record nothing can restore is the one paragraph, after the table."""
     from pydantic import ValidationError
 
-    from tasks import registry
     from tasks.artifacts import history_markdown
     from tasks.config import ExportArgs, RunConfig
     from tasks.errors import UserError
+    from tasks.registry import store as registry
 
     try:  # validated as export.name is: '..', '/etc' or 'a/b' would read outside runs_dir/exports
         name = ExportArgs(name=name).name if name is not None else ExportArgs().name

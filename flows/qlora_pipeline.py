@@ -12,12 +12,12 @@ from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.exports import check_init_adapter
 from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
-from tasks.registry import check_registry
+from tasks.registry.init_adapter import check_init_adapter
+from tasks.registry.store import check_registry
 from tasks.run_record import record_run
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter

@@ -17,7 +17,7 @@ from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
-from tasks.registry import check_registry
+from tasks.registry.store import check_registry
 from tasks.run_record import record_run
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter

@@ -126,7 +126,7 @@ def run_completed(train_status: str, steps: int | None) -> None:
         _upsert("train-progress", "progress", 100.0, f"cached: trained by an earlier run ({steps} optimizer steps)")
 
 
-_VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry.py gate)
+_VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry/gate.py)
 
 
 def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> Any:

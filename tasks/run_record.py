@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import artifacts, registry, tracking
+from tasks import artifacts, tracking
 from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import Manifest, read_manifest
+from tasks.registry import store as registry
 
 
 def stage_status(manifest: Manifest) -> str:

@@ -4,7 +4,7 @@ flows/qlora_sweep.py trains and evaluates every candidate as mapped stage tasks 
 here imports a stage package. A candidate differs from the base config only in train_adapter's sections (lora,
 train, speed): data, model, eval and export are shared, so prepare_data and prepare_model run once and every
 candidate is scored on the same eval split. Candidates are ranked by the promotion gate's own comparison
-(tasks/registry.py `gate`, margin 0), so a sweep's winner is the one the gate would prefer.
+(tasks/registry/gate.py `gate`, margin 0), so a sweep's winner is the one the gate would prefer.
 
     runs_dir/sweeps/<key>/        the sweep's record (key = hash of the base config and the candidates)
         sweep.json                every candidate: overrides, status, stage folders, metrics, rank; the winner
@@ -30,7 +30,7 @@ import yaml
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ValidationError, WithJsonSchema
 
-from tasks import artifacts, registry, tracking
+from tasks import artifacts, tracking
 from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
@@ -39,6 +39,7 @@ from tasks.log import candidate_run_name, current_run_attempt, logger
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import read_manifest
 from tasks.pool.gpus import pool_gpus
+from tasks.registry.gate import gate
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -399,7 +400,7 @@ def _compare(a: dict[str, Any], b: dict[str, Any], eval_data: str) -> int:
 def _beats(challenger: dict[str, Any], incumbent: dict[str, Any], eval_data: str) -> bool:
     """The promotion gate's verdict, margin 0, with `incumbent` in the champion's place."""
     record = {"version": "the other candidate", "metrics": _own(incumbent), "eval_data": eval_data}
-    return registry.gate(_own(challenger), record, 0.0, eval_data)[0] == "promoted"
+    return gate(_own(challenger), record, 0.0, eval_data)[0] == "promoted"
 
 
 def _own(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
 from tasks.config import EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
 from tasks.on_disk.manifest import MANIFEST, read_manifest
+from tasks.registry import store as registry
 from tasks.train_adapter.stage import train_adapter
 
 SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks import registry
 from tasks.config import (
     EMBEDDED_DATA,
     DataArgs,
@@ -30,6 +29,7 @@ from tasks.hashing.files import HASH_MEMO
 from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
+from tasks.registry import store as registry
 from tasks.train_adapter.checkpoints import latest_checkpoint, write_marker
 from tasks.train_adapter.stage import train_adapter
 from tests.conftest import settled

@@ -74,7 +74,7 @@ def test_evaluation_logs_progress_and_a_readable_metrics_line(first_run: dict[st
 def test_a_cached_run_reports_the_registry_as_it_is_now(first_run: dict[str, Any]) -> None:
     """Another run promotes a better version after ours; re-running ours (every stage cached) must report
     that champion, as champion.json says, in its summary and in a fresh eval-metrics table."""
-    from tasks import registry
+    from tasks.registry import store as registry
 
     first = first_run["summary"]["metrics"]
     assert (first["export_version"], first["promotion"], first["champion_version"]) == ("v0001", "promoted", "v0001")

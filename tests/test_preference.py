@@ -129,7 +129,7 @@ def test_preference_config_rules() -> None:
 
 
 def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
-    from tasks.registry import gate
+    from tasks.registry.gate import gate
 
     def run(accuracy: float) -> dict[str, Any]:
         return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0,
@@ -141,7 +141,7 @@ def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
 
 
 def test_missing_champion_names_the_registry(tmp_path: Path) -> None:
-    from tasks.exports import resolve_adapter
+    from tasks.registry.init_adapter import resolve_adapter
 
     with pytest.raises(UserError, match="the registry 'adapter' under .* has no champion yet"):
         resolve_adapter("champion:adapter", tmp_path)
@@ -220,7 +220,7 @@ def test_init_adapter_starts_from_an_export_and_keys_on_its_content(pairs: dict[
 
     from safetensors.torch import load_file, save_file
 
-    from tasks import registry
+    from tasks.registry import store as registry
     from tasks.train_adapter.stage import spec, train_adapter
 
     runs = Path(pairs["runs"])

@@ -31,7 +31,6 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
-from tasks import registry
 from tasks.config import EvalArgs, ExportArgs
 from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import score
@@ -45,7 +44,6 @@ from tasks.evaluate_adapter.stage import (
     _remembered,
     _without_cudnn_attention,
 )
-from tasks.gate import WEIGHTS, identity, same_adapter
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
@@ -54,6 +52,8 @@ from tasks.models.memory import release_device_memory
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, read_manifest
 from tasks.on_disk.parquet_dataset import ParquetExamples
 from tasks.pool.cpus import cpu_share
+from tasks.registry import store as registry
+from tasks.registry.gate import WEIGHTS, identity, same_adapter
 
 
 @dataclass

@@ -176,7 +176,7 @@ class ExportMetrics(ChampionScores):
     promotion_reason: str
     champion_version: str | None
     champion_tuned_eval_loss: float | None
-    gate_rule: str | None = None  # first | same-data | cross-night | same-adapter | unlike (tasks/gate.py)
+    gate_rule: str | None = None  # first | same-data | cross-night | same-adapter | unlike (tasks/registry/gate.py)
 
 
 METRICS: dict[str, type[_Metrics]] = {"prepare_data": DataMetrics, "prepare_model": ModelMetrics,

@@ -21,8 +21,6 @@ from prefect import task
 from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
-from tasks.exports import resolve_adapter
 from tasks.hashing.files import files_fingerprint
 from tasks.models.memory import allocator_restored
 from tasks.on_disk.caching import stage_task_options
@@ -30,6 +28,8 @@ from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
 from tasks.pool.gpus import gpu_slot
+from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
+from tasks.registry.init_adapter import resolve_adapter
 from tasks.train_adapter import launch, liger, parallel, preference
 from tasks.train_adapter.checkpoints import latest_checkpoint
 from tasks.train_adapter.fit import fit_and_save

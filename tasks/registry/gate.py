@@ -1,13 +1,13 @@
 """The promotion gate's rules: which numbers decide whether a new version of an adapter becomes champion.
 
-Pure functions over version records and eval metrics; tasks/registry.py reads the records and publishes, and the
+Pure functions over version records and eval metrics; store.py reads the records and publishes, and the
 sweep ranks its candidates with `gate` (margin 0). In order:
 
 - **Same adapter**: the champion's own adapter (identical weights, same base model) exported again is judged by
   its formats: promoted when it adds formats (merged, GGUF files) and loses none, so the champion carries every
   format asked for; with nothing to add it is the champion already (the registry publishes no copy).
 - **Like with like**: a challenger whose evaluation measures something else than the champion's did (another data
-  format, loss mask or chat template: tasks/registry.py `measure`) is not promoted on that comparison. The reason
+  format, loss mask or chat template: store.py `measure`) is not promoted on that comparison. The reason
   says how to adopt the new measure deliberately: export.accept_new_measure, or a new export.name.
 - **First version**: with no champion yet, the base model, scored on the same eval data, takes the champion's place
   (the same rule and margin), so a diverged or useless first adapter never becomes champion.

@@ -8,7 +8,7 @@ Paths in records are relative to runs_dir (`exports/<name>/v0003`, `export_adapt
 always found as root/<version>, so a moved or copied runs_dir reads its own versions (records written with
 absolute paths still read: their path is not used). Each record keeps the sha256 of its adapter files, the
 base model's identity, the train_adapter key and what its evaluation measured, so a version can be verified on
-use (also a copy of its folder elsewhere: tasks/exports.py) and a champion is scored again on a later run's eval
+use (also a copy of its folder elsewhere: init_adapter.py) and a champion is scored again on a later run's eval
 data when it fits the same base model (evaluate_adapter's score_champion).
 
 A version is copied under a temp name and renamed into place, so a crash leaves no half version (only
@@ -26,7 +26,8 @@ rewritten (the champion is always the newest promoted version); a record that no
 a UserError naming the file and the fix, never a guess. `repair` also restores a deleted version folder from the
 stage folder a run used. `current` says what the registry holds now; the run summary reports that, not what the
 manifest recorded when it published.
-Part of the shared contract (not of export_adapter) because the run record calls it too.
+Part of the shared contract (not of export_adapter) because the run record calls it too; the promotion gate's
+rules are gate.py's.
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ from typing import Any
 from filelock import FileLock
 
 from tasks.errors import UserError
-
-# gate, identity and rule are the registry's gate as its callers name it (registry.gate: the sweep's ranking)
-from tasks.gate import WEIGHTS, gate, identity, nothing_to_add, rule, verdict  # noqa: F401
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
+from tasks.registry.gate import WEIGHTS, nothing_to_add, verdict
 
 VERSION_FILE = "version.json"
 CHAMPION = "champion.json"

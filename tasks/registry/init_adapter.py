@@ -1,5 +1,5 @@
 """An exported adapter named by folder or as `champion:NAME` (train.init_adapter), resolved to its folder through
-the exports registry (tasks/registry.py) and verified before use.
+the exports registry (store.py) and verified before use.
 
 A folder holding a version record (version.json) is checked against the sha256 the record holds, wherever it lies:
 a registry's own version folder, or a copy of one elsewhere, renamed or not; a copy whose version.json is damaged
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tasks.errors import UserError
 from tasks.on_disk.manifest import MANIFEST, check_stage
-from tasks.registry import ADAPTER_FILES, VERSION_FILE, champion, damage_in, read_record, registry_dir, repaired
+from tasks.registry.store import ADAPTER_FILES, VERSION_FILE, champion, damage_in, read_record, registry_dir, repaired
 
 _FIX = ("Publish it again (re-run the pipeline that exported it), or name another adapter folder "
         "(runs_dir/exports/NAME/vNNNN) or 'champion:NAME'.")

@@ -464,10 +464,10 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
     damaged records (the registry's heal); a record nothing can restore is the one paragraph, after the table."""
     from pydantic import ValidationError
 
-    from tasks.artifacts import history_markdown
     from tasks.config import ExportArgs, RunConfig
     from tasks.errors import UserError
     from tasks.registry import store as registry
+    from tasks.reporting.artifacts import history_markdown
 
     try:  # validated as export.name is: '..', '/etc' or 'a/b' would read outside runs_dir/exports
         name = ExportArgs(name=name).name if name is not None else ExportArgs().name
@@ -528,7 +528,7 @@ def _print_tracking(done: dict[str, dict[str, str]] | None) -> None:
     if not done:
         print("tracking: off (track.backend is empty)")
     for name, ref in (done or {}).items():
-        if ref.get("reason"):  # tasks.tracking.NOT_SENT
+        if ref.get("reason"):  # tasks.reporting.tracking.NOT_SENT
             print(f"tracking: {name} at {ref['tracking_uri']}: not sent ({ref['reason']}); the run's files keep it "
                   "and the next run that reaches the server sends it")
             continue

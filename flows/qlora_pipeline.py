@@ -6,8 +6,6 @@ from typing import Any
 
 from prefect import flow
 
-from tasks import tracking
-from tasks.artifacts import failure_summary, verdict
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
@@ -18,7 +16,9 @@ from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.init_adapter import check_init_adapter
 from tasks.registry.store import check_registry
-from tasks.run_record import record_run
+from tasks.reporting import tracking
+from tasks.reporting.artifacts import failure_summary, verdict
+from tasks.reporting.run_record import record_run
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 

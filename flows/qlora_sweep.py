@@ -7,8 +7,7 @@ from typing import Any
 
 from prefect import flow
 
-from tasks import sweep, tracking
-from tasks.artifacts import failure_summary
+from tasks import sweep
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
@@ -18,7 +17,9 @@ from tasks.models.memory import freeze_startup_objects
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.store import check_registry
-from tasks.run_record import record_run
+from tasks.reporting import tracking
+from tasks.reporting.artifacts import failure_summary
+from tasks.reporting.run_record import record_run
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 

@@ -30,8 +30,6 @@ import yaml
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ValidationError, WithJsonSchema
 
-from tasks import artifacts, tracking
-from tasks.artifacts import figure, inline_png, png_bytes
 from tasks.config import MAX_CONFIG_BYTES, RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
@@ -40,6 +38,8 @@ from tasks.on_disk import disk
 from tasks.on_disk.manifest import read_manifest
 from tasks.pool.gpus import pool_gpus
 from tasks.registry.gate import gate
+from tasks.reporting import artifacts, tracking
+from tasks.reporting.artifacts import figure, inline_png, png_bytes
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -302,8 +302,8 @@ class SignalLeavesThreads(ThreadPoolTaskRunner):
     """Prefect's ThreadPoolTaskRunner, except that a flow leaving on a signal (SIGTERM, Ctrl-C) does not wait for
     the tasks still running in its threads: Prefect's runner joins them on exit, before its flow engine records the
     crash, so a SIGTERM during a candidate's training waited for that training to end (minutes). Their task runs
-    are ended by the flow's crash hook (tasks/artifacts.py failure_summary) and the threads by the process's exit;
-    a training resumes from its latest complete checkpoint on the next run."""
+    are ended by the flow's crash hook (tasks/reporting/artifacts.py failure_summary) and the threads by the
+    process's exit; a training resumes from its latest complete checkpoint on the next run."""
 
     def duplicate(self) -> SignalLeavesThreads:  # the copy the flow engine enters
         return SignalLeavesThreads(max_workers=self._max_workers)

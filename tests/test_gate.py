@@ -292,7 +292,7 @@ def _registry_of_three(tmp_path: Path) -> Path:
 
 
 def test_history_table_plot_and_command_on_three_versions(tmp_path: Path) -> None:
-    from tasks.artifacts import history_markdown, registry_history
+    from tasks.reporting.artifacts import history_markdown, registry_history
 
     root = _registry_of_three(tmp_path)
     rows = registry.history(root)

@@ -164,7 +164,7 @@ def test_registry_restores_a_deleted_version_and_champion(built: dict[str, Any])
     assert sorted(p.name for p in (root / version).iterdir()) == files
     assert registry.current(root)["champion_version"] == version
     # so does the run record (a stage Prefect reports as Cached never runs its body)
-    from tasks.run_record import registry_now
+    from tasks.reporting.run_record import registry_now
 
     (root / registry.CHAMPION).unlink()
     shutil.rmtree(root / version)

@@ -105,7 +105,7 @@ def test_a_cached_run_reports_the_registry_as_it_is_now(first_run: dict[str, Any
 def test_a_retried_attempt_updates_the_runs_one_progress_bar(prefect_env: Path) -> None:
     from prefect import flow
 
-    from tasks.artifacts import TrainingProgress
+    from tasks.reporting.artifacts import TrainingProgress
 
     @flow
     def two_attempts() -> str:

@@ -204,7 +204,7 @@ def test_registry_repair_on_a_full_disk_leaves_the_registry_as_it_was(small_disk
 @pytest.mark.parametrize("backend", [[], ["tensorboard"]])
 def test_run_record_on_a_full_disk_leaves_no_run_folder(small_disk: Path, exported: dict[str, Any],
                                                         backend: list[str]) -> None:
-    from tasks.run_record import record_run
+    from tasks.reporting.run_record import record_run
 
     config = load_config(None, [f"runs_dir={exported['runs']}", f"track.backend={json.dumps(backend)}"])
     events = exported["runs"] / "tensorboard"
@@ -325,7 +325,7 @@ def _artifact(flow_run_id: Any, key: str) -> Any:
 def test_failure_card_keeps_placeholders_and_says_what_to_change(prefect_env: Path) -> None:
     from prefect.states import Failed
 
-    from tasks.artifacts import failure_summary
+    from tasks.reporting.artifacts import failure_summary
 
     state = Failed(message="Flow run encountered an exception: UserError: lora.target_modules names q_projj, which "
                    "data/tiny-llama does not have.")
@@ -355,7 +355,7 @@ def test_failure_alert_gives_the_cards_advice(message: str | None, retry_helps: 
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from deployments.setup import HERE
-    from tasks.artifacts import _next_step
+    from tasks.reporting.artifacts import _next_step
 
     (automation,) = yaml.safe_load((HERE / "automations.yaml").read_text())["automations"]
     environment = ImmutableSandboxedEnvironment(undefined=ChainableUndefined)

@@ -32,7 +32,6 @@ from typing import Any
 
 from prefect import task
 
-from tasks import artifacts
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
@@ -55,6 +54,7 @@ from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
 from tasks.pool.cpus import cpu_share
+from tasks.reporting import artifacts
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
 # without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);

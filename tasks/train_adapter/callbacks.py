@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from tasks.artifacts import TrainingProgress, loss_curve
 from tasks.log import logger
 from tasks.on_disk.parquet_dataset import pad_collator
+from tasks.reporting.artifacts import TrainingProgress, loss_curve
 from tasks.train_adapter.checkpoints import write_marker
 
 

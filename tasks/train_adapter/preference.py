@@ -35,11 +35,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.models.loading import device, load_quantized, read_model_metrics
+from tasks.reporting import tracking
 from tasks.train_adapter import plan
 from tasks.train_adapter.checkpoints import latest_checkpoint
 

@@ -1,4 +1,4 @@
-"""Experiment tracking: one small interface (`Backend`), one module per backend (tasks/tracking/<name>.py).
+"""Experiment tracking: one small interface (`Backend`), one module per backend (tracking/<name>.py).
 
 Two moments. While train_adapter computes, it opens each backend's run (`open_training`) and the Trainer
 reports per-step metrics into it through transformers' own callbacks (MLflowCallback, TensorBoardCallback).
@@ -83,8 +83,8 @@ class SweepRun:
 
 
 class Backend(Protocol):
-    """A tracking backend: a module tasks/tracking/<name>.py with REQUIRES (the library it needs) and these six
-    functions; its name is one of config.TRACKING_BACKENDS."""
+    """A tracking backend: a module tasks/reporting/tracking/<name>.py with REQUIRES (the library it needs) and these
+    six functions; its name is one of config.TRACKING_BACKENDS."""
 
     REQUIRES: str
 
@@ -113,7 +113,7 @@ class Backend(Protocol):
 
 def backend(name: str) -> Backend:
     """The backend module of that name; a UserError when the library it needs is not installed."""
-    module = importlib.import_module(f"tasks.tracking.{name}")
+    module = importlib.import_module(f"tasks.reporting.tracking.{name}")
     if importlib.util.find_spec(module.REQUIRES) is None:
         raise UserError(f"track.backend names {name}, but {module.REQUIRES} is not installed. Install the tracking "
                         "extra (pip install -e \".[tracking]\"), or take it out of track.backend.")

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import artifacts, tracking
-from tasks.artifacts import loss_curve
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import Manifest, read_manifest
 from tasks.registry import store as registry
+from tasks.reporting import artifacts, tracking
+from tasks.reporting.artifacts import loss_curve
 
 
 def stage_status(manifest: Manifest) -> str:

@@ -20,7 +20,7 @@ HTTP server, refuses the credentials, or a garbage URI, fails the run then. Late
   after one failed, so the training's end waits for those few only.
 - `finish` sends whatever the run lacks of loss.jsonl (steps lost in an outage, or never sent), compared with the
   run's metric history, then the result; STEPS_TAG and KEY_TAG mark each as whole, so a later run with the
-  server back (tasks/tracking: runs_dir/tracking-pending) completes a run that holds part of them, and a run that
+  server back (tracking/__init__.py: runs_dir/tracking-pending) completes a run that holds part of them, and a run that
   holds all costs one search. What cannot be sent is "not sent", with the reason, never a failed run.
 Not sent again: the Trainer's own params (TrainingArguments, the model config) when the server was down as the
 training began; the config params, which determine them, are.
@@ -43,10 +43,10 @@ from tasks.errors import UserError
 from tasks.hashing.keys import hash_json
 from tasks.log import logger
 from tasks.on_disk.manifest import read_manifest
-from tasks.tracking import NOT_SENT, PipelineRun, Ref, SweepRun, confine
+from tasks.reporting.tracking import NOT_SENT, PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "mlflow"
-KEY_TAG = "qlora.export_key"  # the pipeline result a run holds (tasks/tracking: one run per result)
+KEY_TAG = "qlora.export_key"  # the pipeline result a run holds (tracking/__init__.py: one run per result)
 STEPS_TAG = "qlora.loss_steps"  # the number of loss.jsonl entries the run is known to hold every metric of
 CHAMPION_ALIAS = "champion"
 SWEEP_TAG = "qlora.sweep_key"  # the sweep a parent run holds: one run per sweep key

@@ -25,7 +25,7 @@ import yaml
 
 from tasks.config import TrackArgs
 from tasks.on_disk import disk
-from tasks.tracking import PipelineRun, Ref, SweepRun, confine
+from tasks.reporting.tracking import PipelineRun, Ref, SweepRun, confine
 
 REQUIRES = "tensorboard"
 EVENTS = "events.out.tfevents.*"

@@ -375,18 +375,18 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_sweep import qlora_sweep
-    from tasks import sweep
     from tasks.errors import UserError
     from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.on_disk.folders import check_runs_dir
     from tasks.pool.leases import uses_server
+    from tasks.sweep.grid import expand, load_grid
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
     _stop_on_sigterm("run the same sweep again to resume (finished candidates are reused)")
     try:
-        grid, candidates = sweep.load_grid(grid_file)
-        plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
+        grid, candidates = load_grid(grid_file)
+        plan = expand(config, grid, candidates)  # before a server starts: the quickest way to say it
         if gpus := [f"candidate {c.name} ({c.label}): {p}" for c in plan.candidates if (p := _gpus_problem(c.config))]:
             raise UserError(" ".join(gpus))
         check_runs_dir(config.runs_dir)

@@ -286,7 +286,7 @@ def test_prepare_data_parts_on_a_full_disk_leave_no_temporary_part(small_disk: P
 
 
 def test_sweep_record_on_a_full_disk_keeps_the_old_file(small_disk: Path) -> None:
-    from tasks.sweep import _write
+    from tasks.reporting.sweep import _write
 
     record = small_disk / "runs" / "sweeps" / "k" / "sweep.json"
     _write(record, '{"before": true}')

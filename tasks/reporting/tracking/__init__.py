@@ -77,7 +77,7 @@ class PipelineRun:
 class SweepRun:
     """A ranked sweep, as every backend logs it."""
 
-    key: str  # the sweep's key (tasks/sweep.py Plan.key): one tracked sweep run per key
+    key: str  # the sweep's key (tasks/sweep/grid.py Plan.key): one tracked sweep run per key
     dir: Path  # runs_dir/sweeps/<key>: sweep.json, comparison.png
     record: dict[str, Any]  # sweep.json: every candidate (best first) with its status, rank and metrics; the winner
 

@@ -20,7 +20,10 @@ from tasks.config import load_config
 from tasks.hashing import files as file_hashes
 from tasks.hashing.files import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256, prefetch_sha256
 from tasks.models.sources import TOKENIZER_FILES
+from tasks.on_disk.folders import StageSpec
+from tasks.prepare_data.parts import part_key
 from tasks.prepare_data.stage import spec as data_spec
+from tasks.prepare_data.tokenization import Settings
 from tasks.prepare_model.stage import prefetch_fingerprint
 from tasks.prepare_model.stage import spec as model_spec
 from tests.conftest import settled
@@ -247,3 +250,15 @@ def test_the_flow_prefetches_the_base_models_weights_not_its_tokenizer(tmp_path:
     assert model_spec(config.model, tmp_path).fingerprint == reference
     assert prefetch_fingerprint(config.model.model_copy(update={"base_model": str(tmp_path / "none")}),
                                 tmp_path) is None
+
+
+def test_keys_of_fixed_inputs_stay_what_they_were() -> None:
+    """A stage key and a prepare_data part key of fixed inputs, pinned: a change of how keys are made
+    (tasks/hashing/keys.py cache_key) would recompute every user's stage folders and parts."""
+    spec = StageSpec(stage="prepare_data", version="2", runs_dir=Path("/tmp/x"),
+                     params={"data": {"source": "a.jsonl", "eval_fraction": 0.1}}, fingerprint={"data": "f" * 64},
+                     located=("data.source",))
+    assert spec.key == "f54ec97519c2276c"
+    settings = Settings(tokenizer_dir="/anywhere", fmt="instruction", column_mapping={}, completion_only=True,
+                        max_len=512, chat_template=None, prefix=[1], eos=[2], eos_text="</s>", backend_json=None)
+    assert part_key("a" * 64, settings, {"tokenizer_files_sha256": "b" * 64}, "2") == "264340dd4e3013b3"

@@ -45,7 +45,7 @@ from tasks.evaluate_adapter.stage import (
     _without_cudnn_attention,
 )
 from tasks.hashing.files import file_sha256
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_for_evaluation, load_tokenizer
 from tasks.models.memory import release_device_memory
@@ -71,8 +71,8 @@ class _ChampionCache(CachePolicy):
                                     Path(inputs["eval_dir"]), inputs["export"], fix=False)
         except Exception:  # noqa: BLE001 - no key: the task runs, and raises what it meets there, once
             return None
-        scored = None if why else identity(current)
-        return "score_champion-" + hash_json([Path(inputs["eval_dir"]).name, scored, str(inputs["runs_dir"])])[:24]
+        scored, evaluation = None if why else identity(current), Path(inputs["eval_dir"]).name
+        return "score_champion-" + cache_key([evaluation, scored, str(inputs["runs_dir"])], digits=24)
 
 
 # not a stage: no folder of its own; its results are remembered in the evaluation memo and by Prefect (_ChampionCache)

@@ -44,7 +44,7 @@ from tasks.evaluate_adapter.generation import (
     score,
     split_prompt,
 )
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_for_evaluation, load_tokenizer
 from tasks.models.memory import release_device_memory
@@ -219,7 +219,7 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
               "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
-    return runs_dir / "evaluate_adapter" / ".memo" / hash_json(inputs)[:16]
+    return runs_dir / "evaluate_adapter" / ".memo" / cache_key(inputs)
 
 
 def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from tasks.errors import UserError
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.on_disk.folders import StageSpec
 from tasks.on_disk.manifest import read_manifest
 
@@ -40,7 +40,7 @@ class StageCache(CachePolicy):
         # runs_dir in the key: each runs_dir has its own records, pointing at its own folders; the settings that only
         # pass or fail the stage too, so that a changed one runs the stage, which checks its reused folder again
         place = str(spec.runs_dir) if not spec.checks else [str(spec.runs_dir), spec.checked()]
-        key = f"{spec.stage}-{spec.key}-{hash_json(place)[:8]}"
+        key = f"{spec.stage}-{spec.key}-{cache_key(place, digits=8)}"
         if read_manifest(spec.dir) is None and task_ctx.result_store.exists(key):
             return None  # Prefect remembers a folder that is gone or broken: recompute it
         return key

@@ -27,7 +27,7 @@ from filelock import FileLock
 
 from tasks.errors import UserError
 from tasks.hashing.files import HashMemo
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import current_run_attempt, logger
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import MANIFEST, REQUIRED, Manifest, Upstream, check_stage, upstream_key
@@ -89,8 +89,8 @@ class StageSpec:
     @property
     def key(self) -> str:
         upstream = {name: upstream_key(folder) for name, folder in self.upstream.items()}
-        return hash_json([self.stage, self.version, _without(self.params, self.located + self.checks), upstream,
-                          self.fingerprint])[:16]
+        return cache_key([self.stage, self.version, _without(self.params, self.located + self.checks), upstream,
+                          self.fingerprint])
 
     def checked(self) -> dict[str, Any]:
         """The values of the `checks` params, by dotted name."""

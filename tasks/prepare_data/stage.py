@@ -29,7 +29,7 @@ from prefect import task
 
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_tokenizer
 from tasks.models.sources import TOKENIZER_FILES, max_positions, model_fingerprint, model_path
@@ -220,7 +220,7 @@ def _check_snapshot(args: DataArgs, keyed: str, field: str = "data.source") -> N
 
 def _tokenizer_key(keyed: dict[str, str]) -> str:
     # what transformers makes of the tokenizer's files may change with its version
-    return hash_json([keyed, metadata.version("transformers")])[:16]
+    return cache_key([keyed, metadata.version("transformers")])
 
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = None) -> Settings:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 
 WEIGHTS = "adapter_model.safetensors"
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")
@@ -31,7 +31,7 @@ PREFERENCE_FORMATS = ("preference", "unpaired_preference")
 def identity(record: dict[str, Any] | None) -> str | None:
     """A version's adapter identity (its files' content, not its path); None for records without hashes."""
     files = record and record.get("files")
-    return hash_json(files)[:16] if files else None
+    return cache_key(files) if files else None
 
 
 def same_adapter(weights_sha256: str | None, base_model: str | None, record: dict[str, Any]) -> bool:

@@ -45,7 +45,7 @@ from filelock import FileLock
 
 from tasks.errors import UserError
 from tasks.hashing.files import file_sha256
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.on_disk import disk
 from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
@@ -297,7 +297,7 @@ def champion(root: Path) -> dict[str, Any] | None:
 def base_identity(model_dir: Path) -> str:
     """The base model's identity as a version record keeps it: prepare_model's content fingerprint (its files'
     bytes or the resolved hub commit), hashed; quantization settings do not matter to loading an adapter."""
-    return hash_json(read_manifest(Path(model_dir)).fingerprint)[:16]
+    return cache_key(read_manifest(Path(model_dir)).fingerprint)
 
 
 def adapter_hashes(folder: Path) -> dict[str, str]:

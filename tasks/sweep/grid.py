@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError, WithJsonSchema
 
 from tasks.config import MAX_CONFIG_BYTES, RunConfig
 from tasks.errors import UserError
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key, hash_json
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -135,7 +135,7 @@ def expand(base: RunConfig, grid: dict[str, Any] | None = None, candidates: list
                  for message, names in bad_values.items()]
     if problems:
         raise _bad_grid(problems)
-    key = hash_json({"base": base_raw, "candidates": overrides})[:16]
+    key = cache_key({"base": base_raw, "candidates": overrides})
     return Plan(base=base, candidates=made, key=key)
 
 

@@ -40,7 +40,7 @@ from urllib.parse import unquote, urlsplit
 from tasks import credentials
 from tasks.config import TrackArgs
 from tasks.errors import UserError
-from tasks.hashing.keys import hash_json
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.on_disk.manifest import read_manifest
 from tasks.reporting.tracking import NOT_SENT, PipelineRun, Ref, SweepRun, confine
@@ -302,7 +302,7 @@ def _finish_sweep(client: Any, track: TrackArgs, sweep: SweepRun) -> Ref:
     run_id = track.parent_run_id or _sweep_run(client, track, sweep.key, {})
     parent = client.get_run(run_id)
     ranking = {k: v for k, v in sweep.record.items() if k != "flow_run"}  # what a re-run would log again
-    digest = hash_json(ranking)[:16]
+    digest = cache_key(ranking)
     logged = parent.data.tags.get(RANKING_TAG) == digest
     if not logged:
         now, winner = int(time.time() * 1000), sweep.record["winner"]

@@ -117,7 +117,7 @@ def counts(model: Any, batch: dict[str, Any], autocast: bool) -> dict[str, int]:
 
 
 def set_mode(model: Any, fused: bool) -> None:
-    from tasks.train_adapter.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     (fuse_lora_layers if fused else unfuse_lora_layers)(model)
 

@@ -277,7 +277,7 @@ def _packing_check(model: Any, examples: Any, n: int = 4) -> dict[str, Any]:
     without position ids (plain causal attention across examples) shows what leaking between examples costs."""
     import torch
 
-    from tasks.train_adapter.packs import pack_collator
+    from tasks.train_adapter.levers.packs import pack_collator
 
     inner = model.get_base_model().model
     dev = next(inner.parameters()).device

@@ -14,7 +14,8 @@ from tasks.errors import UserError
 from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
-from tasks.train_adapter import launch, parallel
+from tasks.train_adapter import launch
+from tasks.train_adapter.levers import parallel
 from tasks.train_adapter.stage import train_adapter
 
 

@@ -177,7 +177,7 @@ def test_model_dims_read_each_familys_config_names() -> None:
 def test_varlen_attention_steps_aside_where_its_kernel_would_change_the_maths() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from tasks.train_adapter.attention import varlen_unsupported
+    from tasks.train_adapter.levers.attention import varlen_unsupported
     from tests.families import family_config
 
     reasons = {f: varlen_unsupported(config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])

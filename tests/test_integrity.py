@@ -30,7 +30,7 @@ from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.registry import store as registry
-from tasks.train_adapter.checkpoints import latest_checkpoint, write_marker
+from tasks.train_adapter.resume import latest_checkpoint, write_marker
 from tasks.train_adapter.stage import train_adapter
 from tests.conftest import settled
 

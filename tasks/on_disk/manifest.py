@@ -101,8 +101,8 @@ class TrainMetrics(_Metrics):
     # recompute_mlp_layers, chunk_recomputed, offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib
     # with peak_gpu_allocated_gib
     memory_plan: dict[str, Any] | None = None
-    # dpo/kto: TRL's loss on the real tokens only (speed.packing; tasks/train_adapter/padding_free.py), and for DPO
-    # the micro-batches of whole pairs per epoch that packing made (None: TRL's batches of per_device pairs)
+    # dpo/kto: TRL's loss on the real tokens only (speed.packing; tasks/train_adapter/levers/padding_free.py), and for
+    # DPO the micro-batches of whole pairs per epoch that packing made (None: TRL's batches of per_device pairs)
     padding_free: bool | None = None
     micro_batches_per_epoch: int | None = None
     tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend

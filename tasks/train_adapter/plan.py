@@ -17,20 +17,20 @@ from tasks.log import logger
 from tasks.models.dims import model_dims
 from tasks.models.memory import set_expandable_segments
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
-from tasks.train_adapter import recompute_skip
-from tasks.train_adapter.attention import dense_attention, use_packed_attention
-from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
-from tasks.train_adapter.liger import apply_liger
-from tasks.train_adapter.loss import (
+from tasks.train_adapter.levers import recompute_skip
+from tasks.train_adapter.levers.attention import dense_attention, use_packed_attention
+from tasks.train_adapter.levers.liger import apply_liger
+from tasks.train_adapter.levers.loss import (
     fused_loss_unsupported,
     offload_output_layer,
     output_layer_offload_unsupported,
     use_fused_loss,
 )
+from tasks.train_adapter.levers.mlp import decoder_layers, recompute_mlps, tile_mlp
+from tasks.train_adapter.levers.packs import PackedExamples, pack_collator
+from tasks.train_adapter.levers.parallel import several_processes
+from tasks.train_adapter.levers.recompute import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, smallest_peak_gib
-from tasks.train_adapter.mlp import decoder_layers, recompute_mlps, tile_mlp
-from tasks.train_adapter.packs import PackedExamples, pack_collator
-from tasks.train_adapter.parallel import several_processes
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class MicroBatches:
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
     recompute_mlp_layers: int = 0  # the next decoder layers, which recompute only their MLP
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
-    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (padding_free.py)
+    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (levers/padding_free.py)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:
@@ -132,10 +132,10 @@ def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
 
 
 def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
-    """After get_peft_model: each LoRA layer as one autograd function (fused_lora.py). Returns the model."""
+    """After get_peft_model: each LoRA layer as one autograd function (levers/fused_lora.py). Returns the model."""
     import torch
 
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers
 
     applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if fuses_lora(speed) else []
     recompute_skip.configure(model, speed.recompute_skip)

@@ -30,9 +30,10 @@ from tasks.pool.gpus import gpu_slot
 from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.registry.init_adapter import resolve_adapter
 from tasks.reporting import tracking
-from tasks.train_adapter import launch, liger, parallel, preference
-from tasks.train_adapter.checkpoints import latest_checkpoint
+from tasks.train_adapter import launch, preference
 from tasks.train_adapter.fit import fit_and_save
+from tasks.train_adapter.levers import liger, parallel
+from tasks.train_adapter.resume import latest_checkpoint
 
 VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapters trained before were off)
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]

@@ -21,7 +21,7 @@ import functools
 import types
 from typing import TYPE_CHECKING, Any
 
-from tasks.train_adapter import recompute_skip
+import tasks.train_adapter.levers.recompute_skip as recompute_skip
 
 if TYPE_CHECKING:
     import torch

@@ -168,7 +168,7 @@ def output_layer_offload_unsupported(causal_lm: Any) -> str | None:
     """Why the output layer cannot move to CPU memory, or None."""
     import torch
 
-    from tasks.train_adapter.parallel import several_processes
+    from tasks.train_adapter.levers.parallel import several_processes
 
     head, emb = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
     if not getattr(causal_lm, "_qlora_fused_loss", False):

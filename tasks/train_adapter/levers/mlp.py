@@ -5,7 +5,7 @@ Why torch.utils.checkpoint around the MLP module and not torch's selective activ
 (create_selective_checkpoint_contexts with a policy over aten ops): a policy sees ops, not modules, so telling the
 MLP's matmuls from attention's would mean matching shapes or op order, and the MLP's ops here are not plain aten
 ops (bitsandbytes' 4-bit matmul, the fused LoRA autograd.Function, Liger's SwiGLU kernel); the policy would also
-have to run inside a checkpoint of the whole layer, which the offloaded checkpoint (checkpointing.py) replaces. A
+have to run inside a checkpoint of the whole layer, which the offloaded checkpoint (recompute.py) replaces. A
 checkpoint around `mlp.forward` is the same function every family calls (`self.mlp(...)`), whatever runs inside
 it, and it is the mechanism the chunked MLP already uses: a chunk is a checkpoint, so recomputing the MLP and
 chunking it are one wrapper with two settings per layer.
@@ -17,8 +17,8 @@ import functools
 import types
 from typing import TYPE_CHECKING, Any
 
+import tasks.train_adapter.levers.recompute_skip as recompute_skip
 from tasks.log import logger
-from tasks.train_adapter import recompute_skip
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def tile_mlp(model: Any, chunk: int) -> int:
 
 def recompute_mlps(model: Any, first: int, count: int, chunks: list[int] | None = None) -> int:
     """Decoder layers first .. first + count - 1 recompute their MLP's activations in the backward pass (the
-    rest of each layer keeps its own); the others do not (their whole layer may, see checkpointing.py). `chunks`
+    rest of each layer keeps its own); the others do not (their whole layer may, see recompute.py). `chunks`
     (one per layer, where the memory plan chose) sets each layer's MLP chunk; None leaves tile_mlp's. Returns how
     many MLPs recompute; a family whose decoder layers have no `.mlp` steps aside with one log line."""
     layers = decoder_layers(model)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import tasks.train_adapter.levers.recompute_skip as recompute_skip
 from tasks.log import logger
-from tasks.train_adapter import recompute_skip
-from tasks.train_adapter.parallel import several_processes
+from tasks.train_adapter.levers.parallel import several_processes
 
 if TYPE_CHECKING:
     import torch

@@ -11,6 +11,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from tasks.config import SpeedArgs
 from tasks.log import logger
 
 if TYPE_CHECKING:
@@ -92,6 +93,17 @@ def _half_dtype(module: Any, value: torch.Tensor) -> torch.dtype:
     return weight.dtype if weight is not None else torch.bfloat16
 
 
+def apply(model: Any, speed: SpeedArgs) -> str | None:
+    """speed.packing, before LoRA wraps the model: packed rows attend example by example; the implementation in use,
+    for the log line."""
+    return f"packed attention ({use_packed_attention(model)})" if speed.packing else None
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the varlen kernel steps aside for this model (its packed rows then attend through a dense mask), or None."""
+    return varlen_unsupported(model.config, type(model))
+
+
 def varlen_unsupported(config: Any, model_class: type | None = None) -> str | None:
     """Why the flash varlen kernel cannot run this model's attention exactly, or None."""
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
@@ -117,7 +129,7 @@ def use_packed_attention(model: Any) -> str:
 
     if not (torch.cuda.is_available() and _varlen_fn() is not None):
         return model.config._attn_implementation  # sdpa masks packed rows block-diagonally from position ids
-    reason = varlen_unsupported(model.config, type(model))
+    reason = unsupported(model)
     if reason:
         logger().info("train_adapter: varlen attention steps aside: %s; packed rows are masked block-diagonally "
                       "by %s instead", reason, model.config._attn_implementation)

@@ -22,6 +22,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 import tasks.train_adapter.levers.recompute_skip as recompute_skip
+from tasks.config import SpeedArgs
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,21 @@ if TYPE_CHECKING:
 PATCHED = "_qlora_fused_forward"  # attribute marking a layer whose forward is ours: the plain function it replaced
 CAST = "_qlora_cast"  # attribute of a LoRA weight holding its cast to the compute dtype: (key, tensor)
 _optimizer_steps = [0]  # optimizer steps taken in this process (any optimizer), for CAST's key
+
+
+def fuses_lora(speed: SpeedArgs) -> bool:
+    """speed.fused_lora, or for None: on, except with FSDP, which shards the base weights the fused backward reads."""
+    return speed.fused_lora if speed.fused_lora is not None else not speed.fsdp
+
+
+def apply(model: Any, speed: SpeedArgs) -> str | None:
+    """speed.fused_lora and speed.recompute_skip, after LoRA wraps the model: what they applied, for the log line.
+    Recomputation skips only inside fused layers (recompute_skip.py); its verdicts are reset either way."""
+    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if fuses_lora(speed) else []
+    recompute_skip.configure(model, speed.recompute_skip)
+    if applied and speed.recompute_skip:
+        applied.append("recomputation skipping the LoRA outputs it never reads, where the autograd graph shows so")
+    return ", ".join(applied) or None
 
 
 def fuse_lora_layers(model: Any) -> int:

@@ -7,10 +7,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tasks.config import SpeedArgs
 from tasks.log import logger
 
 # (module, attribute, value before Liger) for every module-level name Liger replaced in this process
 _REPLACED: list[tuple[Any, str, Any]] = []
+
+
+def apply(model: Any, speed: SpeedArgs) -> str | None:
+    """speed.use_liger_kernel, before LoRA wraps the model: what it applied, for the log line (apply_liger says why
+    it steps aside)."""
+    return "liger" if apply_liger(model, speed.use_liger_kernel) else None
 
 
 def apply_liger(model: Any, wanted: bool | None) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from tasks.config import SpeedArgs
 from tasks.log import logger
 
 if TYPE_CHECKING:
@@ -90,6 +91,18 @@ def _function() -> Any:
 
 # config fields that change the logits after the head (Cohere, Granite, ...): the fused loss would skip them
 LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier")
+
+
+def apply(model: Any, speed: SpeedArgs) -> str | None:
+    """speed.fused_cross_entropy, before LoRA wraps the model: what it applied, for the log line; where the model's
+    own loss cannot be reproduced (fused_loss_unsupported), one log line says why and transformers computes it."""
+    if not speed.fused_cross_entropy:
+        return None
+    reason = fused_loss_unsupported(model)
+    if reason is None and use_fused_loss(model):
+        return "fused cross-entropy"
+    logger().info("train_adapter: fused cross-entropy steps aside: %s; transformers computes the loss", reason)
+    return None
 
 
 def fused_loss_unsupported(causal_lm: Any) -> str | None:

@@ -18,6 +18,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 import tasks.train_adapter.levers.recompute_skip as recompute_skip
+from tasks.config import SpeedArgs
 from tasks.log import logger
 
 if TYPE_CHECKING:
@@ -26,6 +27,17 @@ if TYPE_CHECKING:
 UNWRAPPED = "_qlora_untiled"  # attribute of a wrapped MLP: the forward function it replaced
 CHUNK = "_qlora_chunk"  # tokens per checkpointed chunk (0: never chunk)
 RECOMPUTE = "_qlora_recompute"  # True: the MLP recomputes its activations even when it runs whole
+
+
+def apply_chunks(model: Any, speed: SpeedArgs) -> str | None:
+    """speed.mlp_chunk_tokens, before LoRA wraps the model: what it applied, for the log line; a family whose decoder
+    layers have no .mlp steps aside with one log line."""
+    if not speed.mlp_chunk_tokens:
+        return None
+    if tile_mlp(model, speed.mlp_chunk_tokens):
+        return f"MLP in chunks of {speed.mlp_chunk_tokens} tokens"
+    logger().info("train_adapter: chunked MLP steps aside: %s has no decoder layers with an .mlp", type(model).__name__)
+    return None
 
 
 def tile_mlp(model: Any, chunk: int) -> int:

@@ -78,44 +78,56 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         if stage.done:
             return str(stage.dir)
         data = read_manifest(Path(data_dir))
-        if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
-            with _without_cudnn_attention():  # its answer batches are padded and masked too
-                metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
-                                                                      Path(adapter_dir) / "adapter")
-            tokenizer = load_tokenizer(Path(model_dir))
-            samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-            outputs = _write(stage.dir, metrics, samples, results, False)
-            logger().info("evaluate_adapter: %s", json.dumps(metrics))
-            artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
-                                   "and by base + adapter, scored against the chosen answer")
-            stage.finish(outputs, metrics)
-            return str(stage.dir)
-        examples = ParquetExamples(Path(data_dir) / "eval.parquet")
-        count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
-        if count == 0:
-            raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
-        tokenizer = load_tokenizer(Path(model_dir))
-        base = _Base(partial(load_for_evaluation, Path(model_dir), args.dequantize))
-        batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
-        prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
-        run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
-        logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
-                      "model then base + adapter", count, len(batches), len(prompts))
-        memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, base.in_4bit)
-        with _without_cudnn_attention():
-            results = _evaluate_all(base, Path(adapter_dir) / "adapter", tokenizer, batches, prompts, args,
-                                    run_lm_eval, memo)
-        base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
-        release_device_memory()
-        refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
-        samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-        metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
-        outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
-        logger().info("evaluate_adapter: %s", _readable(metrics))
-        artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
-                               f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
+        pairs = isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS  # dpo / kto data
+        evaluate = _evaluate_preference if pairs else _evaluate_sft
+        outputs, metrics = evaluate(args, runs_dir, stage.dir, Path(data_dir), Path(model_dir), Path(adapter_dir))
         stage.finish(outputs, metrics)
         return str(stage.dir)
+
+
+def _evaluate_preference(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path,
+                         adapter_dir: Path) -> tuple[list[str], dict[str, Any]]:
+    """Preference data: reward accuracy and margin of base and tuned on the held-out pairs, and greedy answers
+    (preference.py), written into `out`; the files written and the metrics."""
+    with _without_cudnn_attention():  # its answer batches are padded and masked too
+        metrics, refs, prompts, results = preference.evaluate(args, data_dir, model_dir, adapter_dir / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+    outputs = _write(out, metrics, samples, results, False)
+    logger().info("evaluate_adapter: %s", json.dumps(metrics))
+    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
+                           "and by base + adapter, scored against the chosen answer")
+    return outputs, metrics
+
+
+def _evaluate_sft(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path, adapter_dir: Path
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """Loss, perplexity and greedy answers of base and tuned on the held-out examples (the base's from the memo
+    where an earlier evaluation left them), written into `out`; the files written and the metrics."""
+    examples = ParquetExamples(data_dir / "eval.parquet")
+    count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
+    if count == 0:
+        raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
+    tokenizer = load_tokenizer(model_dir)
+    base = _Base(partial(load_for_evaluation, model_dir, args.dequantize))
+    batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
+    prompts, references = _held_out(examples, count, args.generation_samples, data_dir)
+    run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
+    logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
+                  "model then base + adapter", count, len(batches), len(prompts))
+    memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit)
+    with _without_cudnn_attention():
+        results = _evaluate_all(base, adapter_dir / "adapter", tokenizer, batches, prompts, args, run_lm_eval, memo)
+    base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
+    release_device_memory()
+    refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
+    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+    metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
+    outputs = _write(out, metrics, samples, results, run_lm_eval)
+    logger().info("evaluate_adapter: %s", _readable(metrics))
+    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
+                           f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
+    return outputs, metrics
 
 
 def _without_cudnn_attention() -> contextlib.AbstractContextManager[Any]:

@@ -211,3 +211,15 @@ def session_processes(sid: int) -> list[int]:
         except (OSError, ProcessLookupError):  # ended meanwhile
             pass
     return found
+
+
+def flow_run_in(state: Any) -> Any:
+    """A run of the qlora-pipeline flow created on the server and set to `state` (a failure's card, --watch)."""
+    from prefect import get_client
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(qlora_pipeline, parameters={})
+        client.set_flow_run_state(run.id, state, force=True)
+        return client.read_flow_run(run.id)

@@ -403,7 +403,7 @@ def test_two_nights_show_base_champion_and_challenger_side_by_side(prefect_env: 
                                                                   ) -> None:
     from deployments.cli import _print_summary
     from tests.conftest import run_flow, small_overrides, statuses
-    from tests.test_operations import _artifacts, _run_prefix
+    from tests.test_run_reports import _artifacts, _run_prefix
 
     extra = {"export.name": "nightly", "eval.generation_samples": 2, "eval.max_new_tokens": 4}
     first = run_flow(small_overrides(small_data, tmp_path / "runs", **extra))

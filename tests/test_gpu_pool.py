@@ -4,6 +4,7 @@ pool to 2. Runs are flow runs in threads of this process; the ones that train do
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -370,3 +371,51 @@ def test_the_cpu_share_says_what_it_measured(monkeypatch: pytest.MonkeyPatch) ->
         1, "load average 0.3 on 2 cores: 1 thread(s) for each of 2 processes (set QLORA_CPU_THREADS to choose)")
     monkeypatch.setenv(cpus.THREADS_VARIABLE, "2")
     assert cpus.cpu_share_threads() == (2, "2 thread(s) per process (QLORA_CPU_THREADS is set)")
+
+
+# ---- a run that waits for the GPU says so -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # waits for a held slot on purpose
+def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another run holds the GPU slot: training logs that it waits and its task run shows "Waiting for GPU"."""
+    import threading
+    import time
+
+    from prefect import flow, get_client, task
+    from prefect.concurrency.sync import concurrency
+    from prefect.runtime import task_run
+
+    from tasks.pool.gpus import GPU_LIMIT, WAITING_STATE, gpu_slot
+
+    held, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with concurrency(GPU_LIMIT, occupy=1, strict=True, lease_duration=60):
+            held.set()
+            release.wait(60)
+
+    @task
+    def train() -> str:
+        with gpu_slot():
+            return str(task_run.id)
+
+    @flow
+    def waits() -> str:
+        return train()
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    assert held.wait(30)
+    threading.Timer(8, release.set).start()  # the other run ends after a while
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        task_run_id = waits()
+    holder.join()
+    assert time.monotonic() - start >= 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for the GPU" in m and GPU_LIMIT in m for m in messages), messages
+    assert any("took the GPU slot after waiting" in m for m in messages), messages
+    with get_client(sync_client=True) as client:
+        names = [s.name for s in client.read_task_run_states(UUID(task_run_id))]
+    assert names[-3:] == [WAITING_STATE, "Running", "Completed"], names

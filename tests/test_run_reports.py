@@ -1,6 +1,7 @@
-"""What an operator sees of a run (issue 16), under the Prefect test server: the registry's verdict as it is
-now on cached runs, the eval-metrics table on every run, one progress bar per run ending at 100%, the loss
-curve inline, evaluation progress in the log, user errors without tracebacks."""
+"""What a run reports to the people who watch it, under the Prefect test server: the printed summary, the progress bar
+and loss curve, the registry's verdict as it is now on cached runs, the eval-metrics table, the evaluation's log
+lines, a failure's card and alert, user errors without tracebacks.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +10,26 @@ import logging
 import shutil
 from pathlib import Path
 from typing import Any
-from uuid import UUID
 
 import pytest
 
+from deployments.cli import _print_summary
 from tasks.errors import UserError
-from tests.conftest import run_flow, small_overrides, statuses
+from tests.conftest import flow_run_in, run_flow, small_overrides, statuses
+
+
+def test_summary_names_the_resumed_step_and_the_reward_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
+    stages = {"prepare_data": {"status": "cached", "dir": "runs/prepare_data/a"},
+              "train_adapter": {"status": "resumed", "dir": "runs/train_adapter/b", "resumed_from_step": 4},
+              "evaluate_adapter": {"status": "computed", "dir": "runs/evaluate_adapter/c"}}
+    metrics = {"base_eval_loss": 2.0, "tuned_eval_loss": 1.0, "relative_improvement": 0.5, "base_perplexity": 7.4,
+               "tuned_perplexity": 2.7, "eval_pairs": 20, "base_reward_accuracy": 0.5, "tuned_reward_accuracy": 0.85,
+               "base_reward_margin": 0.0, "tuned_reward_margin": 1.25}  # a dpo run's: its gate compares the accuracy
+    _print_summary({"stages": stages, "metrics": metrics, "export_dir": "x", "run_dir": "r"})
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "resumed from step 4" in lines["train_adapter"]
+    assert "base 0.500 -> tuned 0.850" in lines["reward"] and "20 held-out pairs" in lines["reward"]
+    assert "cached" in lines["prepare_data"] and "step" not in lines["prepare_data"]
 
 
 def _artifacts(flow_run_prefix: str, key: str) -> list[Any]:
@@ -147,109 +162,56 @@ def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path)
     assert text.count("x_proj") == 1 and "Running hook" not in text and "finished running" not in text, text
 
 
-@pytest.mark.slow  # waits for a held slot on purpose
-def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Another run holds the GPU slot: training logs that it waits and its task run shows "Waiting for GPU"."""
-    import threading
-    import time
+def _artifact(flow_run_id: Any, key: str) -> Any:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    from prefect import flow, get_client, task
-    from prefect.concurrency.sync import concurrency
-    from prefect.runtime import task_run
-
-    from tasks.pool.gpus import GPU_LIMIT, WAITING_STATE, gpu_slot
-
-    held, release = threading.Event(), threading.Event()
-
-    def other_run() -> None:
-        with concurrency(GPU_LIMIT, occupy=1, strict=True, lease_duration=60):
-            held.set()
-            release.wait(60)
-
-    @task
-    def train() -> str:
-        with gpu_slot():
-            return str(task_run.id)
-
-    @flow
-    def waits() -> str:
-        return train()
-
-    holder = threading.Thread(target=other_run)
-    holder.start()
-    assert held.wait(30)
-    threading.Timer(8, release.set).start()  # the other run ends after a while
-    start = time.monotonic()
-    with caplog.at_level(logging.INFO):
-        task_run_id = waits()
-    holder.join()
-    assert time.monotonic() - start >= 6
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("waiting for the GPU" in m and GPU_LIMIT in m for m in messages), messages
-    assert any("took the GPU slot after waiting" in m for m in messages), messages
     with get_client(sync_client=True) as client:
-        names = [s.name for s in client.read_task_run_states(UUID(task_run_id))]
-    assert names[-3:] == [WAITING_STATE, "Running", "Completed"], names
+        (found,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+        return found
 
 
-def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> None:
-    """The schema Prefect builds for the UI form (the same call `prefect deploy` makes)."""
-    from prefect.utilities.callables import parameter_schema
+def test_failure_card_keeps_placeholders_and_says_what_to_change(prefect_env: Path) -> None:
+    from prefect.states import Failed
 
-    from flows.qlora_pipeline import qlora_pipeline
+    from tasks.reporting.artifacts import failure_summary
 
-    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
-    defs = schema["definitions"]
-    config = defs["RunConfig"]["properties"]
-    assert {name: config[name]["title"] for name in ("lora", "speed")} == {"lora": "LoRA adapter",
-                                                                          "speed": "Speed and memory (advanced)"}
-    assert all(config[name].get("description") for name in config)  # every section says what it holds
-    lora = defs["LoraArgs"]["properties"]
-    assert lora["r"]["title"] == "LoRA rank (r)" and lora["target_modules"]["default"] == "all-linear"
-    assert defs["EvalArgs"]["properties"]["lm_eval_tasks"]["default"] == []  # a default_factory, shown too
-    assert defs["TrainArgs"]["properties"]["bf16"]["title"] == "bf16 mixed precision"
-    assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
-    titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]
-    assert not [t for t in titles if t in ("R", "Bf16", "Bnb 4Bit Quant Type")]
+    state = Failed(message="Flow run encountered an exception: UserError: lora.target_modules names q_projj, which "
+                   "data/tiny-llama does not have.")
+    run = flow_run_in(state)
+    failure_summary(None, run, state)
+    card = _artifact(run.id, "run-failure").data
+    assert "`runs_dir/<stage>/<key>/`" in card  # a code span: rendered as written, not as an HTML tag
+    assert "lora.target\\_modules names q\\_projj" in card  # the message as text, not markdown
+    assert "If it names a config field, start a new run with the field changed" in card
+    assert "Retry would run the same parameters" in card
+    # the command names the field the message names (a run of `qlora-pipeline run`: that command)
+    assert "`qlora-pipeline run --set lora.target_modules=<new value>`" in card and "SECTION.FIELD" not in card
 
 
-def test_watch_prints_artifact_contents_not_ids(prefect_env: Path) -> None:
-    from prefect import flow
-    from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
-    from prefect.runtime import flow_run
-
-    from deployments.watch import watch
-
-    @flow
-    def with_artifacts() -> str:
-        create_markdown_artifact("## Loss\n\n![training loss](data:image/png;base64,iVBORw0KGgo" + "A" * 4000 + ")",
-                                 key="loss-curve", description="Training loss")
-        create_table_artifact([{"model": "base", "eval loss": "2.1000"}, {"model": "tuned", "eval loss": "1.2000"}],
-                              key="eval-metrics", description="v0001 promoted")
-        create_progress_artifact(100.0, key="train-progress", description="done: 6/6 steps")
-        return flow_run.id
-
-    lines: list[str] = []
-    assert watch(with_artifacts(), out=lines.append, poll_seconds=0.1) == "COMPLETED"
-    text = "\n".join(lines)
-    assert "[image: training loss, 2 KiB PNG" in text and "base64" not in text
-    assert "tuned  1.2000" in text and "train-progress: 100% done: 6/6 steps" in text
-    assert lines[-1] == "state: Completed"
-
-
-def test_start_overrides_the_deployments_config_field_by_field() -> None:
-    """`qlora-pipeline start NAME --set ...` runs the deployment's own config with those fields changed: Prefect
-    merges run parameters only at the top level, so sending the fields alone ran the plain default instead (a
-    `start dpo-embedded` trained SFT on the sample instructions)."""
+@pytest.mark.parametrize(("message", "retry_helps"), [
+    ("Validation of flow parameters failed with error: ParameterTypeError: Flow run received invalid parameters:\n"
+     " - config.train.max_steps: Value error, 0 steps would train nothing", False),
+    ("Flow run encountered an exception: UserError: data.source='/data/x.jsonl': no such file.", True),
+    ("Crashed: the flow-run process exited with -9 (SIGKILL)", True),
+    (None, True),
+])
+def test_failure_alert_gives_the_cards_advice(message: str | None, retry_helps: bool) -> None:
+    """The alert's body, rendered as Prefect's server renders it (a sandboxed Jinja template), advises Retry exactly
+    where the run-failure card does; for refused parameters neither does."""
     import yaml
+    from jinja2 import ChainableUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from deployments.watch import overridden
-    from tasks.config import PROJECT_ROOT, RunConfig, load_config
+    from deployments.setup import HERE
+    from tasks.reporting.artifacts import _next_step
 
-    spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
-    dpo = next(d for d in spec["deployments"] if d["name"] == "dpo-embedded")["parameters"]["config"]
-    fields = load_config(None, ["train.max_steps=3", "runs_dir=/tmp/r"]).model_dump(mode="json", exclude_unset=True)
-    config = overridden(dpo, fields)
-    assert config["train"] == {**dpo["train"], "max_steps": 3} and config["runs_dir"] == "/tmp/r"
-    assert config["export"] == {"name": "adapter-dpo"} and config["data"] == dpo["data"]
-    assert RunConfig.model_validate(config).train.method == "dpo"
+    (automation,) = yaml.safe_load((HERE / "automations.yaml").read_text())["automations"]
+    environment = ImmutableSandboxedEnvironment(undefined=ChainableUndefined)
+    environment.filters["ui_url"] = lambda run: f"http://127.0.0.1:4200/runs/flow-run/{run['id']}"
+    run = {"name": "calm-otter", "id": "0b6f", "state": {"name": "Failed", "message": message}}
+    body = environment.from_string(automation["actions"][0]["body"]).render(flow_run=run)
+    card = _next_step(message or "no message", "0b6f", "`qlora-pipeline start embedded-default --set x=<new value>`")
+    assert ("press Retry" in body) == retry_helps == ("press **Retry**" in card), body
+    assert "prefect flow-run retry 0b6f" in body if retry_helps else "Retry would run the same parameters" in body

@@ -156,7 +156,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from tasks.runtime import LOAD_KWARGS
+    from tasks.models.loading import LOAD_KWARGS
 
     text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 - the word-level tokenizer maps back to ids
     rows = pq.read_table(Path(spec["data_dir"]) / "train.parquet").to_pylist()

@@ -85,7 +85,7 @@ def _stages(folder: Path, runs: Path, steps: int, out: dict[str, Any], speed: di
     from tasks.config import DataArgs, EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
     from tasks.evaluate_adapter.stage import evaluate_adapter
     from tasks.export_adapter.stage import export_adapter
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
     from tasks.prepare_data.stage import prepare_data
     from tasks.prepare_model.stage import prepare_model
     from tasks.train_adapter.stage import train_adapter

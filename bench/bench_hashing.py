@@ -1,6 +1,6 @@
 """sha256 of a few large files: one after another as before (hashlib.file_digest, one thread) against
-tasks.manifest.files_sha256 (one file per thread), and a memoised second look from runs_dir. With --contended, both
-also beside a thread that runs Python the whole time (as prepare_data's imports run beside the flow's prefetch of
+tasks.hashing.files.files_sha256 (one file per thread), and a memoised second look from runs_dir. With --contended,
+both also beside a thread that runs Python the whole time (as prepare_data's imports run beside the flow's prefetch of
 the base model's hashes), which is where file_digest's 256 KiB reads wait for the GIL.
 
     python bench/bench_hashing.py --files 4 --mib 768 --threads 2 [--contended]
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from tasks import manifest
+from tasks.hashing import files as file_hashes
 from tasks.log import logger
 
 
@@ -43,7 +43,7 @@ def _timed(fn, *args):  # noqa: ANN001, ANN202 - a bench helper
 
 
 def _memoised_in_a_new_process(paths: list[Path], runs_dir: Path) -> float:
-    code = ("import sys, time; from pathlib import Path; from tasks.manifest import files_fingerprint; "
+    code = ("import sys, time; from pathlib import Path; from tasks.hashing.files import files_fingerprint; "
             "t = time.perf_counter(); files_fingerprint([Path(p) for p in sys.argv[2:]], runs_dir=Path(sys.argv[1])); "
             "print(time.perf_counter() - t)")
     done = subprocess.run([sys.executable, "-c", code, str(runs_dir), *map(str, paths)], capture_output=True,
@@ -93,18 +93,18 @@ def main() -> None:
         _sequential(paths)  # once to settle the page cache: both sides then read from memory
         logger()  # imports Prefect, as in a flow run: else its import (seconds) lands in the first timing
         before, before_s = _timed(_sequential, paths)
-        manifest._FILE_HASH_CACHE.clear()  # nothing memoised in this process: every file read
-        after, after_s = _timed(manifest.files_sha256, paths)
+        file_hashes._FILE_HASH_CACHE.clear()  # nothing memoised in this process: every file read
+        after, after_s = _timed(file_hashes.files_sha256, paths)
         assert after == before, "parallel hashing must give the same sha256"
-        manifest._FILE_HASH_CACHE.clear()
-        _, first_s = _timed(manifest.files_fingerprint, paths, None, folder / "runs")
+        file_hashes._FILE_HASH_CACHE.clear()
+        _, first_s = _timed(file_hashes.files_fingerprint, paths, None, folder / "runs")
         memo_s = _memoised_in_a_new_process(paths, folder / "runs")
         contended = {}
         if args.contended:
             with _BusyPython():
                 _, contended["sequential_beside_python_s"] = _timed(_sequential, paths)
-                manifest._FILE_HASH_CACHE.clear()
-                _, contended["parallel_beside_python_s"] = _timed(manifest.files_sha256, paths)
+                file_hashes._FILE_HASH_CACHE.clear()
+                _, contended["parallel_beside_python_s"] = _timed(file_hashes.files_sha256, paths)
         print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
                           "cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 1), "files": args.files,
                           "gb": round(gb, 2), "threads": args.threads, "sequential_s": before_s,

@@ -59,8 +59,8 @@ def build_model(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.config import EMBEDDED_MODEL, ModelArgs
+    from tasks.models.loading import load_tokenizer
     from tasks.prepare_model.stage import prepare_model
-    from tasks.runtime import load_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -117,7 +117,7 @@ def counts(model: Any, batch: dict[str, Any], autocast: bool) -> dict[str, int]:
 
 
 def set_mode(model: Any, fused: bool) -> None:
-    from tasks.train_adapter.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     (fuse_lora_layers if fused else unfuse_lora_layers)(model)
 

@@ -45,7 +45,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from tasks.config import LoraArgs
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
     from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])

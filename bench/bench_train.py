@@ -130,7 +130,7 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     _cap(spec.get("cap_gib", 0))
     from tasks.config import LoraArgs
     from tasks.errors import UserError
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
     from tasks.train_adapter import fit
 
     model_dir = Path(spec["model_dir_4bit"])
@@ -277,7 +277,7 @@ def _packing_check(model: Any, examples: Any, n: int = 4) -> dict[str, Any]:
     without position ids (plain causal attention across examples) shows what leaking between examples costs."""
     import torch
 
-    from tasks.train_adapter.packs import pack_collator
+    from tasks.train_adapter.levers.packs import pack_collator
 
     inner = model.get_base_model().model
     dev = next(inner.parameters()).device
@@ -350,7 +350,7 @@ def worker_refloss(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     model = prepare_model_for_kbit_training(load_quantized(Path(spec["model_dir_4bit"])),
                                             use_gradient_checkpointing=True)

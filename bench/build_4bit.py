@@ -61,8 +61,9 @@ def build_4bit_checkpoint(config: Any, runs_dir: Path, tokenizer: Path, args: An
 
     import tasks.prepare_model.stage as pm
     from tasks.config import ModelArgs
-    from tasks.manifest import StageSpec, hash_json, open_stage
-    from tasks.runtime import compute_dtype, load_tokenizer
+    from tasks.hashing.keys import hash_json
+    from tasks.models.loading import compute_dtype, load_tokenizer
+    from tasks.on_disk.folders import StageSpec, open_stage
 
     args = args or ModelArgs()
     fingerprint = {"built": hash_json([VERSION, config.to_dict(), seed, weights is None])}

@@ -21,7 +21,7 @@ def compile_layers(model: Any, how: str, backend: str = "inductor") -> int:
     """Compile every decoder layer of model (a peft or transformers causal LM) one of the HOWS; again after
     the checkpoint function was reset (a new Trainer) is a no-op for layers already done. Returns the layer
     count."""
-    from tasks.train_adapter.mlp import decoder_layers
+    from tasks.train_adapter.levers.mlp import decoder_layers
 
     if how not in HOWS:
         raise ValueError(f"compile {how!r}: one of {HOWS}")

@@ -53,7 +53,7 @@ def packed_batch(tokens: int, vocab: int, device: str) -> dict[str, Any]:
     that many tokens, packed by the pipeline's collator."""
     import torch
 
-    from tasks.train_adapter.packs import pack_collator
+    from tasks.train_adapter.levers.packs import pack_collator
 
     g = torch.Generator().manual_seed(2)
     lens = [40, 25, 63]
@@ -72,8 +72,8 @@ def build(device: str, checkpoint: str, source: str, speed: dict[str, Any]) -> A
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from tasks.config import SpeedArgs
-    from tasks.runtime import LOAD_KWARGS
-    from tasks.train_adapter.checkpointing import enable_checkpointing
+    from tasks.models.loading import LOAD_KWARGS
+    from tasks.train_adapter.levers.recompute import enable_checkpointing
     from tasks.train_adapter.plan import prepare_base, prepare_peft
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -136,7 +136,7 @@ def main() -> None:
 
     from bench.compile_layers import compile_layers, dynamo_counts
     from tasks.config import EMBEDDED_MODEL
-    from tasks.train_adapter.mlp import decoder_layers
+    from tasks.train_adapter.levers.mlp import decoder_layers
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="aot_eager")

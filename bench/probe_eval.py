@@ -54,7 +54,7 @@ def _clock(fn: Any) -> tuple[Any, float]:
 
 
 def _allocator(mode: str) -> None:
-    from tasks.runtime import set_expandable_segments
+    from tasks.models.memory import set_expandable_segments
 
     set_expandable_segments(mode == "expandable")
 
@@ -66,8 +66,8 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "de
     from tasks.config import EvalArgs
     from tasks.evaluate_adapter import stage
     from tasks.evaluate_adapter.generation import generation_tokens, greedy_generate
-    from tasks.examples import ParquetExamples
-    from tasks.runtime import load_for_evaluation, load_tokenizer
+    from tasks.models.loading import load_for_evaluation, load_tokenizer
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     _allocator(mode)
     model_dir = next(p.parent for p in (runs / "prepare_model").glob("*/manifest.json"))

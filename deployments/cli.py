@@ -173,7 +173,7 @@ def _presets() -> int:
 
 def _setup(args: argparse.Namespace) -> int:
     from deployments import setup
-    from tasks.limits import visible_gpus
+    from tasks.pool.gpus import visible_gpus
 
     if args.command == "deploy":
         return setup.deploy(args.git, args.branch)
@@ -229,8 +229,8 @@ def _parameters_too_large(config: Any) -> str | None:
 
 
 def _gpus_problem(config: Any) -> str | None:
-    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/limits.py), before any run."""
-    from tasks.limits import num_gpus_problem
+    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/pool/gpus.py), before any run."""
+    from tasks.pool.gpus import num_gpus_problem
 
     return num_gpus_problem(config.speed.num_gpus)
 
@@ -302,9 +302,9 @@ def _run(config: Any, as_json: bool) -> int:
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
-    from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
-    from tasks.manifest import check_runs_dir
+    from tasks.on_disk.folders import check_runs_dir
+    from tasks.pool.leases import uses_server
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
@@ -338,7 +338,7 @@ def _server() -> Any:
     """The Prefect server this process's runs go to: the shared one (PREFECT_API_URL), else one it serves itself
     from a thread (deployments/temporary_server.py: it lives exactly as long as this process)."""
     from deployments.temporary_server import temporary_server
-    from tasks.limits import uses_server
+    from tasks.pool.leases import uses_server
 
     return nullcontext() if uses_server() else temporary_server(
         float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
@@ -386,18 +386,18 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_sweep import qlora_sweep
-    from tasks import sweep
     from tasks.errors import UserError
-    from tasks.limits import uses_server
     from tasks.log import log_user_errors_once, quiet_user_errors
-    from tasks.manifest import check_runs_dir
+    from tasks.on_disk.folders import check_runs_dir
+    from tasks.pool.leases import uses_server
+    from tasks.sweep.grid import expand, load_grid
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
     _stop_on_sigterm("run the same sweep again to resume (finished candidates are reused)")
     try:
-        grid, candidates = sweep.load_grid(grid_file)
-        plan = sweep.expand(config, grid, candidates)  # before a server starts: the quickest way to say it
+        grid, candidates = load_grid(grid_file)
+        plan = expand(config, grid, candidates)  # before a server starts: the quickest way to say it
         if gpus := [f"candidate {c.name} ({c.label}): {p}" for c in plan.candidates if (p := _gpus_problem(c.config))]:
             raise UserError(" ".join(gpus))
         check_runs_dir(config.runs_dir)
@@ -456,7 +456,7 @@ def _print_sweep(summary: dict[str, Any]) -> None:
 
 def _reused(candidate: dict[str, Any], flow_run: str | None) -> bool:
     """True when neither the candidate's training nor its evaluation was computed by this sweep's flow run."""
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
 
     folders = [candidate["adapter_dir"], candidate["eval_dir"]]
     manifests = [read_manifest(Path(folder)) for folder in folders if folder]
@@ -475,10 +475,10 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
     damaged records (the registry's heal); a record nothing can restore is the one paragraph, after the table."""
     from pydantic import ValidationError
 
-    from tasks import registry
-    from tasks.artifacts import history_markdown
     from tasks.config import ExportArgs, RunConfig
     from tasks.errors import UserError
+    from tasks.registry import store as registry
+    from tasks.reporting.artifacts import history_markdown
 
     try:  # validated as export.name is: '..', '/etc' or 'a/b' would read outside runs_dir/exports
         name = ExportArgs(name=name).name if name is not None else ExportArgs().name
@@ -506,7 +506,8 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
 def _promote(config: Any, name: str, version: str) -> int:
     """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 1 when the
     server was not updated (the registry was)."""
-    from tasks import registry, serving
+    from tasks.export_adapter import serving
+    from tasks.registry import store as registry
 
     root = registry.registry_dir(config.runs_dir, name)
     if not root.is_dir():
@@ -563,7 +564,7 @@ def _print_tracking(done: dict[str, dict[str, str]] | None) -> None:
     if not done:
         print("tracking: off (track.backend is empty)")
     for name, ref in (done or {}).items():
-        if ref.get("reason"):  # tasks.tracking.NOT_SENT
+        if ref.get("reason"):  # tasks.reporting.tracking.NOT_SENT
             print(f"tracking: {name} at {ref['tracking_uri']}: not sent ({ref['reason']}); the run's files keep it "
                   "and the next run that reaches the server sends it")
             continue

@@ -15,8 +15,9 @@ from typing import Any
 import yaml
 
 from tasks.config import PROJECT_ROOT
-from tasks.leases import LEASE_SECONDS, repair_pool
-from tasks.limits import CPU_COUNTER_SLOTS, CPU_LIMIT, GPU_LIMIT, PLACEMENT_LIMIT, device_limit, visible_gpus
+from tasks.pool.cpus import CPU_COUNTER_SLOTS, CPU_LIMIT
+from tasks.pool.gpus import GPU_LIMIT, PLACEMENT_LIMIT, device_limit, visible_gpus
+from tasks.pool.leases import LEASE_SECONDS, repair_pool
 
 HERE = Path(__file__).resolve().parent
 WORK_POOL = "qlora-process"
@@ -25,8 +26,8 @@ ROOT_VARIABLE = "QLORA_PIPELINE_ROOT"  # the checkout a worker runs flows in (pr
 
 
 def ensure_gpu_limit(gpus: int | None = None) -> str:
-    """Create the GPU pool and the CPU counter (tasks/limits.py) where missing, repair counts the server holds no
-    leases for (tasks/leases.py); say what happened.
+    """Create the GPU pool and the CPU counter (tasks/pool/) where missing, repair counts the server holds no
+    leases for (tasks/pool/leases.py); say what happened.
 
     `gpus`: size the pool to that many GPUs, resizing an existing one (`setup --gpus N`; `setup` passes the
     worker's visible GPUs). None: create what is missing, sized to this machine's GPUs, and leave an existing pool

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# set while this process serves its own API: tasks.limits.uses_server tells it from a shared server
+# set while this process serves its own API: tasks.pool.leases.uses_server tells it from a shared server
 TEMPORARY_API_ENV = "QLORA_TEMPORARY_API_URL"
 
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-FAILURE_ARTIFACT = "run-failure"  # tasks/artifacts.py failure_summary
+FAILURE_ARTIFACT = "run-failure"  # tasks/reporting/artifacts.py failure_summary
 FAILURE_WAIT_S = 60.0  # how long after a failed or crashed state to wait for it
-_ESCAPED = re.compile(r"\\([\\`*_{}\[\]<>#|~])")  # tasks/artifacts.py escapes these for the UI's markdown
+_ESCAPED = re.compile(r"\\([\\`*_{}\[\]<>#|~])")  # tasks/reporting/artifacts.py escapes these for the UI's markdown
 _INLINE_IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)\)")
 
 

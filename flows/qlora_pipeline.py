@@ -6,26 +6,26 @@ from typing import Any
 
 from prefect import flow
 
-from tasks import tracking
-from tasks.artifacts import failure_summary, verdict
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
+from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
-from tasks.exports import check_init_adapter
 from tasks.log import quiet_user_errors
+from tasks.models.memory import freeze_startup_objects
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
-from tasks.registry import check_registry
-from tasks.run_record import record_run
-from tasks.runtime import freeze_startup_objects
-from tasks.serving import serve_champion
+from tasks.registry.init_adapter import check_init_adapter
+from tasks.registry.store import check_registry
+from tasks.reporting import tracking
+from tasks.reporting.artifacts import failure_summary, verdict
+from tasks.reporting.run_record import record_run
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
 
 # hooks: user errors logged without a traceback, the objects alive at the start out of the garbage collector's scans
-# (runtime.freeze_startup_objects); on a failure or a crash, a summary artifact and no task run left
+# (memory.freeze_startup_objects); on a failure or a crash, a summary artifact and no task run left
 # Running (the worker runs on_crashed hooks when the flow-run process was killed)
 @flow(name="qlora-pipeline", on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
       on_crashed=[failure_summary])

@@ -1,4 +1,6 @@
-"""The QLoRA sweep flow: orchestration only; the sweep machinery lives in tasks/sweep.py, the stages in tasks/."""
+"""The QLoRA sweep flow: orchestration only. How its candidates run (the task runner, their futures, waiting) is
+flows/sweep_runner.py; the candidates and their ranking are tasks/sweep/, its report tasks/reporting/sweep.py, the
+stages tasks/."""
 
 from __future__ import annotations
 
@@ -7,32 +9,35 @@ from typing import Any
 
 from prefect import flow
 
-from tasks import sweep, tracking
-from tasks.artifacts import failure_summary
+from flows import sweep_runner
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
+from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
+from tasks.models.memory import freeze_startup_objects
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
-from tasks.registry import check_registry
-from tasks.run_record import record_run
-from tasks.runtime import freeze_startup_objects
-from tasks.serving import serve_champion
+from tasks.registry.store import check_registry
+from tasks.reporting import tracking
+from tasks.reporting.artifacts import failure_summary
+from tasks.reporting.run_record import record_run
+from tasks.reporting.sweep import rank, report
+from tasks.sweep.grid import CandidateList, expand
 from tasks.tested_versions import warn_untested_versions
 from tasks.train_adapter.stage import train_adapter
 
 
 # The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
-# global state (sweep.training_runner says which); on SIGTERM it does not wait for them (sweep.SignalLeavesThreads).
-# Candidates' trainings go to sweep.training_runner: at once, one per GPU of the pool, where each trains in a child
-# process of its own; one at a time without a pool of devices.
-@flow(name="qlora-sweep", task_runner=sweep.SignalLeavesThreads(max_workers=1),
+# global state (sweep_runner.training_runner says which); on SIGTERM it does not wait for them
+# (sweep_runner.SignalLeavesThreads). Candidates' trainings go to sweep_runner.training_runner: at once, one per GPU of
+# the pool, where each trains in a child process of its own; one at a time without a pool of devices.
+@flow(name="qlora-sweep", task_runner=sweep_runner.SignalLeavesThreads(max_workers=1),
       on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
       on_crashed=[failure_summary])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
-                grid: dict[str, list[Any]] | None = None, candidates: sweep.CandidateList = ()) -> dict[str, Any]:
+                grid: dict[str, list[Any]] | None = None, candidates: CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
     Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for
@@ -57,7 +62,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
         candidates: Instead of a grid, a list of overrides, each a mapping such as {"lora.r": 8}.
     """
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
-    plan = sweep.expand(config, grid, candidates)  # every bad key or value, before any stage runs
+    plan = expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
@@ -65,17 +70,18 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    with sweep.training_runner() as runner:  # each candidate's task runs named for it (sweep.named)
-        trained = [runner.submit(sweep.named(train_adapter, c), {**c.sections(), "runs_dir": runs, "data_dir": data_dir,
-                                                                 "model_dir": model_dir, "track": track})
+    with sweep_runner.training_runner() as runner:  # each candidate's task runs named for it (sweep_runner.named)
+        trained = [runner.submit(sweep_runner.named(train_adapter, c), {**c.sections(), "runs_dir": runs,
+                                                                        "data_dir": data_dir, "model_dir": model_dir,
+                                                                        "track": track})
                    for c in plan.candidates]
-        evaluated = sweep.then(trained, [partial(sweep.named(evaluate_adapter, c).submit, config.eval, runs, data_dir,
-                                                 model_dir) for c in plan.candidates])
-        ranking = sweep.rank(plan, trained, evaluated, data_dir, track)
+        evaluated = sweep_runner.then(trained, [partial(sweep_runner.named(evaluate_adapter, c).submit, config.eval,
+                                                        runs, data_dir, model_dir) for c in plan.candidates])
+        ranking = rank(plan, sweep_runner.outcomes(plan, trained, evaluated), data_dir, track)
     best = ranking.winner
     judged = score_champion(config.eval, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, config.export)
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, best.adapter_dir, best.eval_dir, judged)
     winner = best.candidate.config.model_copy(update={"track": track})  # its tracked run: a child of the sweep's
     serving = serve_champion(config.serve, config.export.name, runs)  # serve.url's vLLM: the champion, checked
     run = record_run(winner, [data_dir, model_dir, best.adapter_dir, best.eval_dir, export_dir], serving)
-    return sweep.report(ranking, run)
+    return report(ranking, run)

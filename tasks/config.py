@@ -549,7 +549,7 @@ class ExportArgs(_Section):
         return self
 
 
-TRACKING_BACKENDS = ("mlflow", "tensorboard")  # one module each in tasks/tracking/
+TRACKING_BACKENDS = ("mlflow", "tensorboard")  # one module each in tasks/reporting/tracking/
 
 
 class TrackArgs(_Section):

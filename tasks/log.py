@@ -1,4 +1,5 @@
-"""One logger for stage code (Prefect's run logger inside a run, so lines show in the UI), and which run this is."""
+"""One logger for stage code (Prefect's run logger inside a run, so lines show in the UI), and which run this is (the
+flow-run attempt; a sweep candidate's task run, whose artifacts are keyed by it)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def current_run_attempt() -> str | None:
     except Exception:  # outside any flow run (a stage called through .fn())
         return None
     return f"{run_id}:{flow_run.run_count}" if run_id else None
+
+
+def candidate_run_name(stage: str, name: str, label: str) -> str:
+    """The task run name of a sweep candidate's stage (the UI lists it); its artifacts are keyed from it."""
+    return f"{stage}-{name} ({label})"
+
+
+def for_candidate(key: str, description: str) -> tuple[str, str]:
+    """An artifact's key and description, with the sweep candidate's name and overrides when the current task run
+    is a candidate's (candidate_run_name): the candidates of a sweep share one flow run, and shared keys made
+    every candidate's training update the first one's progress bar and loss curve."""
+    from prefect.runtime import task_run
+
+    found = re.fullmatch(r"\w+-(c\d+) \((.*)\)", task_run.name or "", flags=re.DOTALL)
+    return (key, description) if found is None else (f"{key}-{found[1]}", f"{found[1]} ({found[2]}): {description}")
 
 
 # the loggers that Prefect's engines and flows write run lines to

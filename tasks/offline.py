@@ -7,7 +7,7 @@ it has no setting for that, and falls back to its own CPU kernel when `import ke
 `kernels`, and importing its Trainer (or peft) imports bitsandbytes, so every stage that loads a model met it: a
 name lookup of huggingface.co at each start, and a warning. Here bitsandbytes is imported with `kernels` made
 unimportable (None in sys.modules, the import system's own "not importable" mark) for the length of its import only;
-other code imports `kernels` as before (transformers' Hub kernels are off by tasks/runtime.py LOAD_KWARGS).
+other code imports `kernels` as before (transformers' Hub kernels are off by tasks/models/loading.py LOAD_KWARGS).
 
 The finder is put in place by importing the `tasks` package, before anything of the pipeline can import
 bitsandbytes. Imports the standard library only (the UI form imports `tasks` without torch).

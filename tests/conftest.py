@@ -59,9 +59,9 @@ def small_data(tmp_path: Path) -> Path:
 
 
 def settled(*paths: Path) -> None:
-    """Wait until each file's last change is old enough for its hash to be memoised (tasks/manifest.py
+    """Wait until each file's last change is old enough for its hash to be memoised (tasks/hashing/files.py
     _SETTLED_NS), as the files of a nightly run usually are."""
-    from tasks.manifest import _SETTLED_NS
+    from tasks.hashing.files import _SETTLED_NS
 
     for path in paths:
         time.sleep(max(0.0, (path.stat().st_ctime_ns + _SETTLED_NS - time.time_ns()) / 1e9 + 0.05))
@@ -211,3 +211,15 @@ def session_processes(sid: int) -> list[int]:
         except (OSError, ProcessLookupError):  # ended meanwhile
             pass
     return found
+
+
+def flow_run_in(state: Any) -> Any:
+    """A run of the qlora-pipeline flow created on the server and set to `state` (a failure's card, --watch)."""
+    from prefect import get_client
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(qlora_pipeline, parameters={})
+        client.set_flow_run_state(run.id, state, force=True)
+        return client.read_flow_run(run.id)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prefect import flow, task
 
-from tasks.limits import gpu_slot
+from tasks.pool.gpus import gpu_slot
 
 
 @task(name="train_adapter")  # the pool's own task name: "Waiting for GPU" is judged among a run's trainings

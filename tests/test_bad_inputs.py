@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from deployments.cli import USER_ERROR_EXIT, main
 from tasks.config import EMBEDDED_DATA, EMBEDDED_MODEL, PROJECT_ROOT, DataArgs, ModelArgs, load_config
 from tasks.errors import UserError
 from tasks.prepare_data.stage import prepare_data
@@ -172,7 +173,7 @@ def test_max_seq_length_beyond_the_models_positions(tmp_path: Path) -> None:
 def test_hub_ids_that_cannot_be_resolved_fail_fast_without_retries(tmp_path: Path, offline: str) -> None:
     """Online mode cannot connect (the hub endpoint is a closed localhost port), offline mode has no cache entry;
     both fail at once."""
-    code = ("from tasks.runtime import resolve_hub_revision\n"
+    code = ("from tasks.models.sources import resolve_hub_revision\n"
             "resolve_hub_revision('nobody/no-such-model-xyz', None)")
     with socket.socket() as s:  # a port nothing listens on: bound, never listened to, released
         s.bind(("127.0.0.1", 0))
@@ -291,7 +292,8 @@ def test_num_gpus_beyond_what_this_machine_has_fails_before_anything_runs(
     CUDA_VISIBLE_DEVICES lists where it stands for GPUs; beyond that, exit 2 at validate time (and in the stage,
     for a run started from the form)."""
     from deployments.cli import USER_ERROR_EXIT, main
-    from tasks.limits import gpu_slot, host_cores
+    from tasks.pool.cpus import host_cores
+    from tasks.pool.gpus import gpu_slot
 
     cores = host_cores()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -311,3 +313,58 @@ def test_num_gpus_beyond_what_this_machine_has_fails_before_anything_runs(
     assert main(["validate", "--set", "speed.num_gpus=3"]) == USER_ERROR_EXIT
     assert "no CUDA, and CUDA_VISIBLE_DEVICES lists 2 device(s)" in " ".join(capsys.readouterr().err.split())
     assert main(["validate", "--set", "speed.num_gpus=2"]) == 0
+
+
+# ---- hostile configs, through the CLI -----------------------------------------------------------------------------
+
+
+def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
+    started = time.monotonic()
+    assert main(argv) == USER_ERROR_EXIT
+    assert time.monotonic() - started < 30  # at once, not after minutes of wrapping or a server's refusal
+    err = " ".join(capsys.readouterr().err.split())
+    for fragment in fragments:
+        assert fragment in err, err[:2000]
+    assert len(err) < 3000  # one paragraph, never the value itself
+    return err
+
+
+def test_huge_config_file_fails_at_once_with_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "huge.yaml"
+    path.write_text("train:\n  colour: " + "x" * 3_000_000 + "\n")
+    runs = tmp_path / "runs"
+    _fails(capsys, ["run", "--config", str(path), "--set", f"runs_dir={runs}"], "3,000,", "limit of 524,288 bytes",
+           str(path))
+    assert not runs.exists()
+
+
+def test_long_value_is_quoted_by_a_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(capsys, ["validate", "--set", "train.colour=" + "y" * 200_000],
+                 "train.colour: Extra inputs are not permitted", "yyy...yyy")
+    assert "y" * 100 not in err
+
+
+def test_many_bad_entries_show_a_few(capsys: pytest.CaptureFixture[str]) -> None:
+    entries = ",".join(f"c{i}: {i}" for i in range(5000))
+    _fails(capsys, ["validate", "--set", f"data.column_mapping={{{entries}}}"],
+           "5000 problem(s)", "data.column_mapping.c0: Input should be a valid string (got 0)", "and 4,990 more")
+
+
+def test_parameters_over_prefects_limit_fail_before_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # under the file limit as YAML, over Prefect's 524,288 bytes as JSON parameters (the quotes add up)
+    path = tmp_path / "mapping.yaml"
+    path.write_text("data:\n  column_mapping: {" + ",".join(f"c{i}: d{i}" for i in range(36_000)) + "}\n")
+    assert path.stat().st_size < 524_288
+    runs = tmp_path / "runs"
+    _fails(capsys, ["run", "--config", str(path), "--set", f"runs_dir={runs}"],
+           "as flow-run parameters, more than the 524,288 bytes", "nothing was started")
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("text", ["train: " + "[" * 5000 + "]" * 5000,
+                                  "data: {column_mapping: " + "{a: " * 3000 + "b" + "}" * 3001])
+def test_deep_nesting_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text(text + "\n")
+    err = _fails(capsys, ["validate", "--config", str(path)], f"{path} is nested too deeply")
+    assert "recursion" not in err

@@ -71,7 +71,7 @@ def test_built_tensors_equal_prepare_models_bit_for_bit(folders: dict[str, Any])
 
 
 def test_built_folder_has_prepare_models_config_modules_and_metrics(folders: dict[str, Any]) -> None:
-    from tasks.runtime import read_model_metrics
+    from tasks.models.loading import read_model_metrics
 
     prepared, built = folders["prepared"], folders["built"]
     assert _json(built / "config.json") == _json(prepared / "config.json")
@@ -88,7 +88,7 @@ def test_random_weights_have_the_same_layout_and_load_for_training(folders: dict
     import torch
 
     from tasks.config import LoraArgs, SpeedArgs, TrainArgs
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
     from tasks.train_adapter import fit
 
     want, got = _tensors(folders["prepared"]), _tensors(folders["random"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,50 @@ def test_the_form_accepts_what_the_config_accepts(overrides: list[str]) -> None:
     config = load_config(None, overrides)
     for dump in (config.model_dump(mode="json"), config.model_dump(mode="json", exclude_unset=True)):
         assert not validate({"config": dump}, _form_schema(), raise_on_error=False), dump
+
+
+# ---- the run form Prefect builds from RunConfig -------------------------------------------------------------------
+
+
+def test_form_schema_has_no_const_and_no_null_toggle() -> None:
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.qlora_pipeline import qlora_pipeline
+    from tasks.config import RunConfig
+
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    text = json.dumps(schema)
+    assert '"const"' not in text and '{"type": "null"}' not in text
+    lora = schema["definitions"]["LoraArgs"]["properties"]["target_modules"]
+    branches = [{k: b[k] for k in ("enum", "type") if k in b} for b in lora["anyOf"]]  # titled for the form
+    assert {"enum": ["all-linear"], "type": "string"} in branches
+    assert schema["definitions"]["TrainArgs"]["properties"]["optim"]["type"] == "string"
+    # a full config (its nulls included) still validates as Prefect's server validates deployment parameters
+    full = load_config(None, ["train.optim=adamw_torch", "data.name=x"])
+    for config in (RunConfig(), full):
+        assert not validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=False,
+                            preprocess=True, ignore_required=True)
+    assert validate({"config": {"train": {"optim": "sgd"}}}, schema, raise_on_error=False, preprocess=True,
+                    ignore_required=True)
+
+
+def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> None:
+    """The schema Prefect builds for the UI form (the same call `prefect deploy` makes)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    defs = schema["definitions"]
+    config = defs["RunConfig"]["properties"]
+    assert {name: config[name]["title"] for name in ("lora", "speed")} == {"lora": "LoRA adapter",
+                                                                          "speed": "Speed and memory (advanced)"}
+    assert all(config[name].get("description") for name in config)  # every section says what it holds
+    lora = defs["LoraArgs"]["properties"]
+    assert lora["r"]["title"] == "LoRA rank (r)" and lora["target_modules"]["default"] == "all-linear"
+    assert defs["EvalArgs"]["properties"]["lm_eval_tasks"]["default"] == []  # a default_factory, shown too
+    assert defs["TrainArgs"]["properties"]["bf16"]["title"] == "bf16 mixed precision"
+    assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
+    titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]
+    assert not [t for t in titles if t in ("R", "Bf16", "Bnb 4Bit Quant Type")]

@@ -176,7 +176,7 @@ def test_sweep_deployment_is_a_small_grid_the_flow_accepts() -> None:
     """The sweep deployment has no preset: its parameters must pass the qlora-sweep flow's signature and expand to
     the 2 x 2 grid on the embedded model."""
     from flows.qlora_sweep import qlora_sweep
-    from tasks.sweep import expand
+    from tasks.sweep.grid import expand
 
     spec = yaml.safe_load((PROJECT_ROOT / "deployments" / "prefect.yaml").read_text())
     (sweep,) = [d for d in spec["deployments"] if d["name"] == "sweep"]

@@ -11,10 +11,11 @@ from pydantic import ValidationError
 
 from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs, load_config
 from tasks.errors import UserError
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
-from tasks.train_adapter import launch, parallel
+from tasks.train_adapter import launch
+from tasks.train_adapter.levers import parallel
 from tasks.train_adapter.stage import train_adapter
 
 
@@ -66,7 +67,7 @@ def test_float_storage_keeps_the_4bit_weights_and_fsdp_refuses_cpu(tmp_path: Pat
     """Stored as float32 (the CPU compute dtype) the packed 4-bit weights are the same bits: same logits."""
     import torch
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     runs = tmp_path / "runs"
     packed = Path(prepare_model.fn(ModelArgs(), runs))

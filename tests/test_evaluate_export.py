@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
 from tasks.config import EvalArgs, ExportArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.evaluate_adapter.generation import exact_match, lcs_length, rouge_l, rouge_tokens, score, split_prompt
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.manifest import MANIFEST, read_manifest
+from tasks.on_disk.manifest import MANIFEST, read_manifest
+from tasks.registry import store as registry
 from tasks.train_adapter.stage import train_adapter
 
 SMALL_EVAL = {"max_samples": 12, "generation_samples": 6, "max_new_tokens": 8, "per_device_eval_batch_size": 4}
@@ -80,7 +80,7 @@ def test_evaluate_writes_metrics_and_samples(trained: dict[str, Any]) -> None:
     metrics = read_manifest(folder).metrics.model_dump(exclude_unset=True)
     assert metrics == json.loads((folder / "metrics.json").read_text())
     assert metrics["eval_examples"] == 12 and metrics["generation_samples"] == 6
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")
     labels = [examples[i]["labels"][1:] for i in range(12)]  # next-token targets: the first label is never scored
@@ -152,7 +152,7 @@ def test_merged_model_matches_base_plus_adapter(trained: dict[str, Any], tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     args = ExportArgs(merge=True, merged_dtype="float32")
     folder = Path(export_adapter.fn(args, tmp_path, *_upstream(trained)))
@@ -270,8 +270,8 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: di
 def _eval_inputs(trained: dict[str, Any], size: int) -> tuple[list[dict[str, Any]], list[list[int]], list[int]]:
     """The first 40 eval examples in length-sorted batches, their prompts, and the eos ids."""
     from tasks.evaluate_adapter.stage import _batches
-    from tasks.examples import ParquetExamples
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     examples = ParquetExamples(Path(trained["data"]) / "eval.parquet")
     count = min(40, len(examples))
@@ -295,7 +295,8 @@ def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) ->
 
     from tasks.evaluate_adapter.generation import greedy_generate
     from tasks.evaluate_adapter.stage import mean_loss
-    from tasks.runtime import dequantize_decision, dequantize_in_place, load_quantized
+    from tasks.models.dequantize import dequantize_decision, dequantize_in_place
+    from tasks.models.loading import load_quantized
 
     batches, prompts, eos = _eval_inputs(trained, 4)
     adapter = Path(trained["adapter"]) / "adapter"
@@ -328,7 +329,8 @@ def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> Non
 
     from tasks.evaluate_adapter.generation import greedy_generate
     from tasks.evaluate_adapter.stage import _attached, mean_loss
-    from tasks.runtime import dequantize_in_place, load_quantized
+    from tasks.models.dequantize import dequantize_in_place
+    from tasks.models.loading import load_quantized
 
     batches, prompts, eos = _eval_inputs(trained, 4)
     adapter = Path(trained["adapter"]) / "adapter"
@@ -346,7 +348,8 @@ def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> Non
 def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, Any]) -> None:
     from tasks.evaluate_adapter.generation import by_length, generation_tokens, greedy_generate
     from tasks.evaluate_adapter.stage import mean_loss
-    from tasks.runtime import dequantize_in_place, load_quantized
+    from tasks.models.dequantize import dequantize_in_place
+    from tasks.models.loading import load_quantized
 
     model = dequantize_in_place(load_quantized(Path(trained["model"])))
     sorted_batches, prompts, eos = _eval_inputs(trained, 8)

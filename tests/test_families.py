@@ -65,12 +65,12 @@ def test_family_trains_with_defaults_and_exports_a_working_adapter(family: str, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     summary = _run_family(family, family_runs, family_root)
     metrics = summary["metrics"]
     assert metrics["tuned_eval_loss"] < metrics["base_eval_loss"]
-    # every layer LoRA can target is 4-bit (Falcon's FalconLinear stayed bf16 before runtime.plain_linear_layers)
+    # every layer LoRA can target is 4-bit (Falcon's FalconLinear stayed bf16 before quirks.plain_linear_layers)
     modules = json.loads((Path(summary["stages"]["prepare_model"]["dir"]) / "modules.json").read_text())
     assert modules["linear_4bit"] and not modules["linear_other"], modules
     export = Path(summary["export_dir"])
@@ -164,7 +164,7 @@ def test_every_lever_keeps_the_loss_and_gradients(family: str, tmp_path: Path, c
 def test_model_dims_read_each_familys_config_names() -> None:
     import transformers as tf
 
-    from tasks.model_dims import model_dims
+    from tasks.models.dims import model_dims
     from tests.families import family_config
 
     for family in FAMILIES:
@@ -177,7 +177,7 @@ def test_model_dims_read_each_familys_config_names() -> None:
 def test_varlen_attention_steps_aside_where_its_kernel_would_change_the_maths() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from tasks.train_adapter.attention import varlen_unsupported
+    from tasks.train_adapter.levers.attention import varlen_unsupported
     from tests.families import family_config
 
     reasons = {f: varlen_unsupported(config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
@@ -202,8 +202,8 @@ def test_layers_that_cpu_repacking_cannot_take_keep_the_plain_4bit_path(tmp_path
 
     from tasks.config import ModelArgs
     from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.models.loading import load_quantized
     from tasks.prepare_model.stage import prepare_model
-    from tasks.runtime import load_quantized
 
     source = build_family_model("llama", tmp_path / "odd", hidden=64, intermediate=172)
     model_dir = Path(prepare_model.fn(ModelArgs(base_model=str(source)), tmp_path / "runs"))
@@ -256,7 +256,7 @@ def test_llama_names_on_gpt2_fail_before_training_with_the_real_list(gpt2_stages
 
 def test_unsupported_attention_falls_back_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from tasks.config import ModelArgs
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
     from tasks.prepare_model.stage import prepare_model
 
     source = build_family_model("gemma2", tmp_path / "gemma2")

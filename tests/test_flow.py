@@ -72,7 +72,7 @@ def test_exported_adapter_loads_with_peft_and_changes_outputs(default_run: dict[
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     summary = default_run["summary"]
     export = Path(summary["export_dir"])

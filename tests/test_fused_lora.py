@@ -63,7 +63,7 @@ def _runs_fused(layer: Any) -> bool:
 @pytest.mark.parametrize("base", ["4bit", "linear"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_fused_layers_give_peft_outputs_and_gradients(base: str, autocast: bool) -> None:
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers
 
     reference = _loss_and_grads(_lora_model(base), autocast)
     model = _lora_model(base)
@@ -91,7 +91,7 @@ def test_fused_layers_give_peft_outputs_and_gradients(base: str, autocast: bool)
 
 def test_single_layer_matches_peft_in_fp32_and_bf16() -> None:
     """One 4-bit LoRA layer alone: output and the gradients of x, A and B, at tight tolerances."""
-    from tasks.train_adapter.fused_lora import fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     model = _lora_model("4bit")
     layer = _q_proj(model)
@@ -119,7 +119,7 @@ def test_weights_cast_once_per_step_follow_every_update(optimizer: str) -> None:
     version counter, a checkpoint load moves only that. A stale cast would repeat the first step's outputs."""
     import bitsandbytes as bnb
 
-    from tasks.train_adapter.fused_lora import CAST, fuse_lora_layers, unfuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import CAST, fuse_lora_layers, unfuse_lora_layers
 
     runs = {}
     for fused in (False, True):
@@ -165,8 +165,8 @@ def test_fused_layers_compile_without_graph_breaks_once_for_all_layers(autocast:
     after 8), the loss and gradients of the same layers run eagerly. The ground for compiling layers."""
     import torch._dynamo
 
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
-    from tasks.train_adapter.mlp import tile_mlp
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.mlp import tile_mlp
 
     models = [_lora_model("4bit"), _lora_model("4bit")]
     for model in models:
@@ -196,8 +196,8 @@ def test_layer_forward_compiled_inside_the_offloaded_checkpoint() -> None:
     import torch._dynamo
 
     from bench.compile_layers import compile_layers, dynamo_counts
-    from tasks.train_adapter.checkpointing import enable_checkpointing
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.recompute import enable_checkpointing
 
     models = [_lora_model("4bit"), _lora_model("4bit")]
     for model in models:
@@ -220,7 +220,7 @@ def test_layer_forward_compiled_inside_the_offloaded_checkpoint() -> None:
 
 
 def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
+    from tasks.train_adapter.levers.fused_lora import fuse_lora_layers
 
     model = _lora_model("4bit", dropout=0.1)
     fuse_lora_layers(model)
@@ -244,7 +244,7 @@ def test_dropout_merged_and_disabled_adapters_keep_peft_forward() -> None:
 def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stages: dict[str, str]) -> None:
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
     from tasks.train_adapter.stage import train_adapter
 
     folders, losses = {}, {}
@@ -272,7 +272,7 @@ def test_training_with_fused_lora_gives_the_same_losses_and_a_peft_adapter(stage
 
 
 def test_prepare_peft_fuses_by_default_and_not_when_off() -> None:
-    from tasks.train_adapter.fused_lora import PATCHED
+    from tasks.train_adapter.levers.fused_lora import PATCHED
     from tasks.train_adapter.plan import prepare_peft
 
     for setting, expected in ((None, 4 * len(ALL)), (True, 4 * len(ALL)), (False, 0)):

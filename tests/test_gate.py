@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
 from tasks.config import (
     EMBEDDED_DATA,
     PROJECT_ROOT,
@@ -31,8 +30,10 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.exports import resolve_adapter
-from tasks.manifest import MANIFEST, read_manifest
+from tasks.on_disk.manifest import MANIFEST, read_manifest
+from tasks.registry import store as registry
+from tasks.registry.gate import gate, identity, rule
+from tasks.registry.init_adapter import resolve_adapter
 
 EVAL = EvalArgs(max_samples=16, generation_samples=2, max_new_tokens=4, per_device_eval_batch_size=8)
 # a few steps on the tiny model move its eval loss by about 1%: the gate's margin must be below that
@@ -152,11 +153,11 @@ def test_preference_gate_same_data_and_fallback() -> None:
     champion = {"version": "v0001", "files": {"adapter_model.safetensors": "x"}, "eval_data": "old",
                 "metrics": {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.9}}
     tonight = {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.7, "champion_reward_accuracy": 0.6,
-               "champion_eval_loss": 1.0, "judged_against": "v0001", "champion_adapter": registry.identity(champion)}
-    verdict, reason = registry.gate(tonight, champion, 0.01, "new")
+               "champion_eval_loss": 1.0, "judged_against": "v0001", "champion_adapter": identity(champion)}
+    verdict, reason = gate(tonight, champion, 0.01, "new")
     assert verdict == "promoted" and "champion v0001's 0.600 on this run's eval data (same-data rule)" in reason
-    assert registry.rule(tonight, champion) == "same-data"
-    verdict, reason = registry.gate({**tonight, "champion_adapter": None}, champion, 0.01, "new", "why not")
+    assert rule(tonight, champion) == "same-data"
+    verdict, reason = gate({**tonight, "champion_adapter": None}, champion, 0.01, "new", "why not")
     assert verdict == "rejected" and "0.900 on its own night's eval data (cross-night rule: why not" in reason
 
 
@@ -285,13 +286,13 @@ def _registry_of_three(tmp_path: Path) -> Path:
         if champion_loss is not None:
             current = registry.champion(root)
             metrics.update(champion_eval_loss=champion_loss, judged_against=current["version"],
-                           champion_adapter=registry.identity(current))
+                           champion_adapter=identity(current))
         registry.publish(root, source, f"k{i}", metrics, 0.01, "d", lambda folder, record: "card")
     return root
 
 
 def test_history_table_plot_and_command_on_three_versions(tmp_path: Path) -> None:
-    from tasks.artifacts import history_markdown, registry_history
+    from tasks.reporting.artifacts import history_markdown, registry_history
 
     root = _registry_of_three(tmp_path)
     rows = registry.history(root)
@@ -402,7 +403,7 @@ def test_two_nights_show_base_champion_and_challenger_side_by_side(prefect_env: 
                                                                   ) -> None:
     from deployments.cli import _print_summary
     from tests.conftest import run_flow, small_overrides, statuses
-    from tests.test_operations import _artifacts, _run_prefix
+    from tests.test_run_reports import _artifacts, _run_prefix
 
     extra = {"export.name": "nightly", "eval.generation_samples": 2, "eval.max_new_tokens": 4}
     first = run_flow(small_overrides(small_data, tmp_path / "runs", **extra))

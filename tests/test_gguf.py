@@ -144,7 +144,7 @@ def test_gguf_types_are_validated_and_need_merge() -> None:
 def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> None:
     import gguf
 
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
 
     folder = exported["folder"]
     ggufs = folder / "gguf"
@@ -174,7 +174,8 @@ def _dequantized_base(model_dir: Path, out: Path) -> Any:
     with the tokenizer; returns the model."""
     import torch
 
-    from tasks.runtime import TOKENIZER_FILES, load_quantized
+    from tasks.models.loading import load_quantized
+    from tasks.models.sources import TOKENIZER_FILES
 
     base = load_quantized(model_dir).dequantize().to(torch.float32)
     base.save_pretrained(out)

@@ -1,9 +1,10 @@
-"""The GPU pool (tasks/limits.py) on a simulated 2-GPU worker against the session's real Prefect test server:
+"""The GPU pool (tasks/pool/) on a simulated 2-GPU worker against the session's real Prefect test server:
 CUDA_VISIBLE_DEVICES=0,1 on this CPU machine is what the pool reads as the worker's GPUs, and setup sizes the
 pool to 2. Runs are flow runs in threads of this process; the ones that train do so in child processes."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,8 +19,9 @@ from uuid import UUID
 import pytest
 
 from tasks.config import PROJECT_ROOT, LoraArgs, SpeedArgs, TrainArgs
-from tasks.limits import CPU_LIMIT, GPU_LIMIT, THREADS_VARIABLE, WAITING_STATE, cpu_threads, device_limit, gpu_slot
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
+from tasks.pool.cpus import CPU_LIMIT, THREADS_VARIABLE, cpu_threads
+from tasks.pool.gpus import GPU_LIMIT, WAITING_STATE, device_limit, gpu_slot
 from tests.conftest import (
     cli,
     cli_env,
@@ -223,22 +225,22 @@ def test_cpu_threads_share_the_cores_and_an_explicit_count_wins(prefect_env: Pat
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.concurrency.sync import concurrency
 
-    from tasks import limits
+    from tasks.pool import cpus
 
-    monkeypatch.delenv(limits.THREADS_VARIABLE, raising=False)
+    monkeypatch.delenv(cpus.THREADS_VARIABLE, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(limits, "host_cores", lambda: 12)  # a bigger host than this one, for distinct shares
+    monkeypatch.setattr(cpus, "host_cores", lambda: 12)  # a bigger host than this one, for distinct shares
     with concurrency(CPU_LIMIT, occupy=3, lease_duration=60):  # three other runs compute now
         assert cpu_threads("test") == 3
-        assert limits.cpu_share_threads()[1].startswith("4 run(s) computing on 12 cores (active slots of 'qlora-cpu'")
+        assert cpus.cpu_share_threads()[1].startswith("4 run(s) computing on 12 cores (active slots of 'qlora-cpu'")
         assert cpu_threads("test", holding=True) == 4  # this run is one of the three
         assert cpu_threads("test", processes=2) == 1
     assert cpu_threads("test") == 12
-    monkeypatch.setenv(limits.THREADS_VARIABLE, "5")
+    monkeypatch.setenv(cpus.THREADS_VARIABLE, "5")
     assert cpu_threads("test") == 5
 
 
-# ---- a Prefect server restart, and SIGTERM while waiting (tasks/leases.py) ---------------------------------------
+# ---- a Prefect server restart, and SIGTERM while waiting (tasks/pool/leases.py) ----------------------------------
 
 
 def _holder(gpus: int, folder: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -288,7 +290,7 @@ def test_a_server_restart_frees_the_dead_runs_slots_and_keeps_the_live_ones(tmp_
     both GPUs shows "Waiting for GPU" on its flow run and ends within seconds of SIGTERM, Crashed."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.leases import GRACE_SECONDS
+    from tasks.pool.leases import GRACE_SECONDS
 
     port, home = free_port(), tmp_path / "prefect"
     url = f"http://127.0.0.1:{port}/api"
@@ -355,17 +357,65 @@ def test_a_server_restart_frees_the_dead_runs_slots_and_keeps_the_live_ones(tmp_
 
 def test_the_cpu_share_says_what_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a server the share comes from the load average, and the line says so (not a count of runs)."""
-    from tasks import limits
+    from tasks.pool import cpus
 
-    monkeypatch.delenv(limits.THREADS_VARIABLE, raising=False)
+    monkeypatch.delenv(cpus.THREADS_VARIABLE, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(limits, "uses_server", lambda: False)
-    monkeypatch.setattr(limits, "host_cores", lambda: 2)
-    monkeypatch.setattr(limits.os, "getloadavg", lambda: (76.0, 40.0, 20.0))  # a host busy with other work
-    assert limits.cpu_share_threads() == (1, "load average 76.0 on 2 cores: 1 thread(s) (set QLORA_CPU_THREADS "
-                                             "to choose)")
-    monkeypatch.setattr(limits.os, "getloadavg", lambda: (0.3, 0.2, 0.1))
-    assert limits.cpu_share_threads(processes=2) == (
+    monkeypatch.setattr(cpus, "uses_server", lambda: False)
+    monkeypatch.setattr(cpus, "host_cores", lambda: 2)
+    monkeypatch.setattr(cpus.os, "getloadavg", lambda: (76.0, 40.0, 20.0))  # a host busy with other work
+    assert cpus.cpu_share_threads() == (1, "load average 76.0 on 2 cores: 1 thread(s) (set QLORA_CPU_THREADS "
+                                           "to choose)")
+    monkeypatch.setattr(cpus.os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    assert cpus.cpu_share_threads(processes=2) == (
         1, "load average 0.3 on 2 cores: 1 thread(s) for each of 2 processes (set QLORA_CPU_THREADS to choose)")
-    monkeypatch.setenv(limits.THREADS_VARIABLE, "2")
-    assert limits.cpu_share_threads() == (2, "2 thread(s) per process (QLORA_CPU_THREADS is set)")
+    monkeypatch.setenv(cpus.THREADS_VARIABLE, "2")
+    assert cpus.cpu_share_threads() == (2, "2 thread(s) per process (QLORA_CPU_THREADS is set)")
+
+
+# ---- a run that waits for the GPU says so -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # waits for a held slot on purpose
+def test_a_run_waiting_for_the_gpu_says_so(prefect_env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another run holds the GPU slot: training logs that it waits and its task run shows "Waiting for GPU"."""
+    import threading
+    import time
+
+    from prefect import flow, get_client, task
+    from prefect.concurrency.sync import concurrency
+    from prefect.runtime import task_run
+
+    from tasks.pool.gpus import GPU_LIMIT, WAITING_STATE, gpu_slot
+
+    held, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with concurrency(GPU_LIMIT, occupy=1, strict=True, lease_duration=60):
+            held.set()
+            release.wait(60)
+
+    @task
+    def train() -> str:
+        with gpu_slot():
+            return str(task_run.id)
+
+    @flow
+    def waits() -> str:
+        return train()
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    assert held.wait(30)
+    threading.Timer(8, release.set).start()  # the other run ends after a while
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        task_run_id = waits()
+    holder.join()
+    assert time.monotonic() - start >= 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for the GPU" in m and GPU_LIMIT in m for m in messages), messages
+    assert any("took the GPU slot after waiting" in m for m in messages), messages
+    with get_client(sync_client=True) as client:
+        names = [s.name for s in client.read_task_run_states(UUID(task_run_id))]
+    assert names[-3:] == [WAITING_STATE, "Running", "Completed"], names

@@ -16,13 +16,16 @@ from typing import Any
 
 import pytest
 
-from tasks import manifest
 from tasks.config import load_config
-from tasks.manifest import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256, prefetch_sha256
+from tasks.hashing import files as file_hashes
+from tasks.hashing.files import INPUT_HASH_MEMO, file_sha256, files_fingerprint, files_sha256, prefetch_sha256
+from tasks.models.sources import TOKENIZER_FILES
+from tasks.on_disk.folders import StageSpec
+from tasks.prepare_data.parts import part_key
 from tasks.prepare_data.stage import spec as data_spec
+from tasks.prepare_data.tokenization import Settings
 from tasks.prepare_model.stage import prefetch_fingerprint
 from tasks.prepare_model.stage import spec as model_spec
-from tasks.runtime import TOKENIZER_FILES
 from tests.conftest import settled
 
 
@@ -72,7 +75,7 @@ def test_default_config_keys_equal_those_of_a_sequential_reference(tmp_path: Pat
 
 
 def _fingerprint_in_a_new_process(paths: list[Path], runs_dir: Path) -> str:
-    code = ("import sys; from pathlib import Path; from tasks.manifest import files_fingerprint; "
+    code = ("import sys; from pathlib import Path; from tasks.hashing.files import files_fingerprint; "
             "print(files_fingerprint([Path(p) for p in sys.argv[2:]], runs_dir=Path(sys.argv[1])))")
     done = subprocess.run([sys.executable, "-c", code, str(runs_dir), *map(str, paths)], capture_output=True,
                           text=True, check=True)
@@ -121,7 +124,7 @@ def test_a_file_changed_just_before_its_read_is_not_memoised(tmp_path: Path, thr
     path.write_bytes(os.urandom(1 << 16))
     assert file_sha256(path, runs) == _reference_sha256(path)
     assert not (runs / INPUT_HASH_MEMO).exists()  # nothing memoised: the file changed less than a tick ago
-    assert not any(identity[0] == str(path.resolve()) for identity in manifest._FILE_HASH_CACHE)
+    assert not any(identity[0] == str(path.resolve()) for identity in file_hashes._FILE_HASH_CACHE)
     settled(path)
     file_sha256(path, runs)
     assert json.loads((runs / INPUT_HASH_MEMO).read_text())[str(path.resolve())][5] == _reference_sha256(path)
@@ -145,15 +148,15 @@ def test_files_on_a_filesystem_without_a_kept_ctime_are_hashed_on_every_run(tmp_
     point = str((tmp_path / "mnt").resolve()).replace(" ", "\\040")
     mountinfo.write_text(Path("/proc/self/mountinfo").read_text()
                          + f"999 1 0:99 / {point} rw,nosuid - fuse.rclone remote: rw,user_id=0\n")
-    code = ("import sys; from pathlib import Path; import tasks.manifest as m; m._MOUNTINFO = Path(sys.argv[1]); "
+    code = ("import sys; from pathlib import Path; import tasks.hashing.files as m; m._MOUNTINFO = Path(sys.argv[1]); "
             "print(m.file_sha256(Path(sys.argv[2]), Path(sys.argv[3])))")
     done = subprocess.run([sys.executable, "-c", code, str(mountinfo), str(path), str(runs)], capture_output=True,
                           text=True, check=True)
     assert done.stdout.strip() == _reference_sha256(path)  # read, not the memo's forged digest
     assert json.loads((runs / INPUT_HASH_MEMO).read_text()) == forged  # and nothing written for it
-    monkeypatch.setattr(manifest, "_MOUNTINFO", mountinfo)
-    assert manifest._mount_of(str(path.resolve()), manifest._mounts()) == (str((tmp_path / "mnt").resolve()),
-                                                                          "fuse.rclone")
+    monkeypatch.setattr(file_hashes, "_MOUNTINFO", mountinfo)
+    assert file_hashes._mount_of(str(path.resolve()), file_hashes._mounts()) == (str((tmp_path / "mnt").resolve()),
+                                                                                "fuse.rclone")
 
 
 def test_an_unchanged_base_model_is_read_once_per_runs_dir(tmp_path: Path, threads: None) -> None:
@@ -176,7 +179,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch, hold: Path | None = None, fail_once:
            ) -> tuple[list[Path], threading.Event]:
     """Record every file read for a hash; reads of `hold` wait for the event (so a second caller finds the hash in
     flight), and with `fail_once` the first read of it raises after the wait."""
-    reads, release, real = [], threading.Event(), manifest._sha256
+    reads, release, real = [], threading.Event(), file_hashes._sha256
 
     def read(path: Path) -> str:
         reads.append(path)
@@ -186,7 +189,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch, hold: Path | None = None, fail_once:
                 raise OSError(f"{path}: a read that failed")
         return real(path)
 
-    monkeypatch.setattr(manifest, "_sha256", read)
+    monkeypatch.setattr(file_hashes, "_sha256", read)
     return reads, release
 
 
@@ -247,3 +250,15 @@ def test_the_flow_prefetches_the_base_models_weights_not_its_tokenizer(tmp_path:
     assert model_spec(config.model, tmp_path).fingerprint == reference
     assert prefetch_fingerprint(config.model.model_copy(update={"base_model": str(tmp_path / "none")}),
                                 tmp_path) is None
+
+
+def test_keys_of_fixed_inputs_stay_what_they_were() -> None:
+    """A stage key and a prepare_data part key of fixed inputs, pinned: a change of how keys are made
+    (tasks/hashing/keys.py cache_key) would recompute every user's stage folders and parts."""
+    spec = StageSpec(stage="prepare_data", version="2", runs_dir=Path("/tmp/x"),
+                     params={"data": {"source": "a.jsonl", "eval_fraction": 0.1}}, fingerprint={"data": "f" * 64},
+                     located=("data.source",))
+    assert spec.key == "f54ec97519c2276c"
+    settings = Settings(tokenizer_dir="/anywhere", fmt="instruction", column_mapping={}, completion_only=True,
+                        max_len=512, chat_template=None, prefix=[1], eos=[2], eos_text="</s>", backend_json=None)
+    assert part_key("a" * 64, settings, {"tokenizer_files_sha256": "b" * 64}, "2") == "264340dd4e3013b3"

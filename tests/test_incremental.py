@@ -17,7 +17,7 @@ import pytest
 
 from tasks.config import EMBEDDED_DATA, PROJECT_ROOT, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tests.conftest import cli, cli_env, finish, last_json, settled, small_overrides
 

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks import registry
 from tasks.config import (
     EMBEDDED_DATA,
     DataArgs,
@@ -26,10 +25,12 @@ from tasks.config import (
 )
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.manifest import HASH_MEMO, MANIFEST, check_stage, read_manifest
+from tasks.hashing.files import HASH_MEMO
+from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
-from tasks.train_adapter.checkpoints import latest_checkpoint, write_marker
+from tasks.registry import store as registry
+from tasks.train_adapter.resume import latest_checkpoint, write_marker
 from tasks.train_adapter.stage import train_adapter
 from tests.conftest import settled
 
@@ -163,7 +164,7 @@ def test_registry_restores_a_deleted_version_and_champion(built: dict[str, Any])
     assert sorted(p.name for p in (root / version).iterdir()) == files
     assert registry.current(root)["champion_version"] == version
     # so does the run record (a stage Prefect reports as Cached never runs its body)
-    from tasks.run_record import registry_now
+    from tasks.reporting.run_record import registry_now
 
     (root / registry.CHAMPION).unlink()
     shutil.rmtree(root / version)

@@ -173,7 +173,7 @@ def test_recomputing_some_layers_gives_the_gradients_of_recomputing_none(offload
     from peft import LoraConfig, get_peft_model
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from tasks.train_adapter.checkpointing import enable_checkpointing
+    from tasks.train_adapter.levers.recompute import enable_checkpointing
 
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     grads = []
@@ -200,7 +200,7 @@ def test_a_budget_no_plan_fits_fails_before_training_with_the_numbers(monkeypatc
     from peft import LoraConfig, get_peft_model
 
     from tasks.train_adapter import plan
-    from tasks.train_adapter.attention import set_packed_attention
+    from tasks.train_adapter.levers.attention import set_packed_attention
 
     model = get_peft_model(_tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 2 * GIB)
@@ -278,7 +278,7 @@ def test_a_family_whose_layers_have_no_mlp_attribute_steps_aside_from_mlp_recomp
 
     from transformers import OPTConfig, OPTForCausalLM
 
-    from tasks.train_adapter.mlp import recompute_mlps
+    from tasks.train_adapter.levers.mlp import recompute_mlps
 
     config = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
                        max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0)
@@ -313,8 +313,8 @@ def test_the_bisection_over_mlp_only_layers_finds_what_trying_every_layout_finds
 def test_the_plans_mlp_chunks_reach_each_layer() -> None:
     """A plan's per-layer MLP settings, applied: the MLP-only layers recompute (in chunks past the chunk size), the
     kept layer's MLP runs once and whole, and the whole-recomputed layer's MLP runs whole unless the plan chunks it."""
+    from tasks.train_adapter.levers.mlp import CHUNK, RECOMPUTE, recompute_mlps, tile_mlp
     from tasks.train_adapter.memory_plan import MemoryPlan
-    from tasks.train_adapter.mlp import CHUNK, RECOMPUTE, recompute_mlps, tile_mlp
 
     plan = MemoryPlan(tokens=48, recompute_layers=1, layers=4, offload_activations=False, offload_embeddings=False,
                       predicted_peak_gib=1.0, budget_gib=2.0, relative_time=1.5, recompute_mlp_layers=2,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks.config import EMBEDDED_DATA, DataArgs, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter import launch

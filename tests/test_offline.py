@@ -64,7 +64,7 @@ sys.addaudithook(guard)
 
 from tasks.config import ModelArgs
 from tasks.prepare_model.stage import prepare_model
-from tasks.runtime import load_quantized
+from tasks.models.loading import load_quantized
 
 folder = prepare_model.fn(ModelArgs(), Path(sys.argv[1]))  # the base model, quantized to 4 bits
 load_quantized(Path(folder))  # as train_adapter and evaluate_adapter load it

@@ -77,7 +77,7 @@ def test_bad_labels_and_empty_completions_of_rated_answers(tmp_path: Path) -> No
 def test_pairs_tokenize_to_trls_columns_with_mapping_and_chat_form(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
 
     tok = load_tokenizer(Path(str(ModelArgs().base_model)))
     rows = [{"question": GOOD["prompt"], "good": GOOD["chosen"], "bad": GOOD["rejected"]}]
@@ -129,7 +129,7 @@ def test_preference_config_rules() -> None:
 
 
 def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
-    from tasks.registry import gate
+    from tasks.registry.gate import gate
 
     def run(accuracy: float) -> dict[str, Any]:
         return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0,
@@ -141,7 +141,7 @@ def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
 
 
 def test_missing_champion_names_the_registry(tmp_path: Path) -> None:
-    from tasks.exports import resolve_adapter
+    from tasks.registry.init_adapter import resolve_adapter
 
     with pytest.raises(UserError, match="the registry 'adapter' under .* has no champion yet"):
         resolve_adapter("champion:adapter", tmp_path)
@@ -169,7 +169,7 @@ def test_dpo_end_to_end_raises_reward_accuracy_then_reruns_cached(prefect_env: P
     import torch
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     overrides = [f"{k}={v}" for k, v in {
         "runs_dir": tmp_path / "runs", "data.source": EMBEDDED_PREFERENCES, "train.method": "dpo",
@@ -220,7 +220,7 @@ def test_init_adapter_starts_from_an_export_and_keys_on_its_content(pairs: dict[
 
     from safetensors.torch import load_file, save_file
 
-    from tasks import registry
+    from tasks.registry import store as registry
     from tasks.train_adapter.stage import spec, train_adapter
 
     runs = Path(pairs["runs"])
@@ -468,7 +468,7 @@ def test_dpo_on_two_processes_trains_equal_micro_batches(pairs: dict[str, str], 
     each: with groups sized in tokens (speed.max_tokens_per_batch; the memory plan's on a GPU) the two gloo
     processes' all_gather shapes differed (3 against 2) and training failed. With several processes DPO trains
     micro-batches of per_device_train_batch_size pairs."""
-    from tasks.manifest import read_manifest
+    from tasks.on_disk.manifest import read_manifest
     from tasks.train_adapter import launch
     from tasks.train_adapter.stage import train_adapter
 

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.config import EMBEDDED_MODEL, DataArgs, ModelArgs
-from tasks.examples import ParquetExamples
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
+from tasks.on_disk.parquet_dataset import ParquetExamples
 from tasks.prepare_data.formats import CONTEXT_TEMPLATE, INSTRUCTION_TEMPLATE, RESPONSE_HEADER
 from tasks.prepare_data.stage import prepare_data, spec
 
@@ -23,7 +23,7 @@ TOKENIZER = None
 def tokenizer() -> Any:
     global TOKENIZER
     if TOKENIZER is None:
-        from tasks.runtime import load_tokenizer
+        from tasks.models.loading import load_tokenizer
 
         TOKENIZER = load_tokenizer(EMBEDDED_MODEL)
     return TOKENIZER

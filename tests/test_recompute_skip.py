@@ -35,8 +35,8 @@ def _model(family: str, folder: Path, mode: str, skip: bool) -> Any:
 
     from tasks.config import SpeedArgs
     from tasks.train_adapter import plan
-    from tasks.train_adapter.checkpointing import enable_checkpointing
-    from tasks.train_adapter.mlp import recompute_mlps
+    from tasks.train_adapter.levers.mlp import recompute_mlps
+    from tasks.train_adapter.levers.recompute import enable_checkpointing
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.config.use_cache = False
@@ -64,7 +64,7 @@ def _step(model: Any, base_calls: list[str]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family, mode", list(SKIPPED))
 def test_recomputation_skips_the_unread_outputs_with_the_same_gradients(family: str, mode: str, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks.train_adapter import fused_lora
+    from tasks.train_adapter.levers import fused_lora
 
     folder = build_family_model(family, tmp_path / family)
     names: dict[int, str] = {}
@@ -95,7 +95,7 @@ def test_recomputation_skips_the_unread_outputs_with_the_same_gradients(family: 
 def test_a_value_read_by_a_saving_node_is_never_skipped() -> None:
     """The graph rule on its own: an output that reaches the checkpoint's output through a multiply (which saves
     its inputs) is used; one that reaches it only through adds and casts is not."""
-    from tasks.train_adapter import recompute_skip
+    from tasks.train_adapter.levers import recompute_skip
 
     x = torch.randn(4, 3, requires_grad=True)
     weights = [torch.randn(3, 3, requires_grad=True) for _ in range(3)]

@@ -20,14 +20,15 @@ from typing import Any
 import pytest
 
 from deployments.cli import USER_ERROR_EXIT, main
-from tasks import registry
 from tasks.config import PROJECT_ROOT, EvalArgs, ExportArgs, LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
-from tasks.exports import resolve_adapter
-from tasks.manifest import MANIFEST, file_sha256, read_manifest
+from tasks.hashing.files import file_sha256
+from tasks.on_disk.manifest import MANIFEST, read_manifest
+from tasks.registry import store as registry
+from tasks.registry.init_adapter import resolve_adapter
 from tasks.train_adapter.stage import train_adapter
 
 # the keys of tests/test_gate.py's adapters and evaluation: in one session these stages are computed once

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.on_disk.manifest import MANIFEST
 from tests.conftest import cli, cli_env, finish, last_json, run_flow, small_overrides, statuses, wait_for_checkpoint
 
 ALL_COMPUTED = dict.fromkeys(
@@ -142,3 +143,56 @@ def test_simulated_oom_backs_off_micro_batch(small_data: Path, tmp_path: Path, m
     assert (metrics["per_device_train_batch_size"], metrics["gradient_accumulation_steps"]) == (2, 4)
     assert metrics["optimizer_steps"] == 3
     assert seen[:2] == [8, 4] and set(seen[2:]) == {2}
+
+
+# ---- SIGTERM ------------------------------------------------------------------------------------------------------
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getsid(int(proc.name)) == sid:
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path, tmp_path: Path,
+                                                                 target: str) -> None:
+    """What systemd, Kubernetes or a pre-empted node sends, to the CLI alone or to its whole process group: the run
+    ends within seconds as Crashed with its failure hook, nothing of it stays running, and a rerun resumes."""
+    steps = 16  # the kill lands after the first checkpoint (step 2), long before the last
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
+        small_data, tmp_path / "runs", **{"train.max_steps": steps, "train.save_steps": 2})), [])]
+    env = cli_env(tmp_path / "prefect")
+    proc = cli(args, env, tmp_path / "first")
+    try:
+        wait_for_checkpoint(proc, tmp_path / "runs", tmp_path / "first")
+        (os.killpg if target == "group" else os.kill)(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        stopped = time.time()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "first.err").read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Crashed" in err and "its run-failure artifact says what to do next" in err, err[-3000:]
+    assert "stopped: the run got SIGTERM and ended as Crashed" in " ".join(err.split())
+    assert "ConnectError" not in err and "Error logging to API" not in err, err[-3000:]
+    while _session_processes(proc.pid) and time.time() < stopped + 10:
+        time.sleep(0.2)
+    assert not _session_processes(proc.pid), "a process of the run (its Prefect server?) outlived it"
+    if target == "process":
+        return
+
+    rerun = cli(args, env, tmp_path / "rerun")
+    out, err = finish(rerun, tmp_path / "rerun", timeout=900)
+    assert rerun.returncode == 0, err[-3000:]
+    train = last_json(out)["stages"]["train_adapter"]
+    assert train["status"] == "resumed" and train["resumed_from_step"] >= 2
+    assert json.loads((Path(train["dir"]) / MANIFEST).read_text())["metrics"]["optimizer_steps"] == steps

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.caching import is_transient
 from tasks.config import ModelArgs
 from tasks.errors import UserError
+from tasks.on_disk.caching import is_transient
 
 
 class _HubHTTPError(OSError):

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from tasks.config import EMBEDDED_MODEL, SpeedArgs, TrainArgs
-from tasks.train_adapter.attention import set_packed_attention
-from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
-from tasks.train_adapter.loss import use_fused_loss
-from tasks.train_adapter.mlp import tile_mlp
-from tasks.train_adapter.packs import PackedExamples, pack_collator, plan_packs
+from tasks.train_adapter.levers.attention import set_packed_attention
+from tasks.train_adapter.levers.loss import use_fused_loss
+from tasks.train_adapter.levers.mlp import tile_mlp
+from tasks.train_adapter.levers.packs import PackedExamples, pack_collator, plan_packs
+from tasks.train_adapter.levers.recompute import enable_checkpointing, offload_embeddings
 from tasks.train_adapter.plan import training_batches
 
 torch = pytest.importorskip("torch")
@@ -151,16 +151,16 @@ def test_offloaded_checkpointing_fetches_each_input_one_layer_ahead(monkeypatch:
     """In the backward pass each layer's saved input is already on its way back when that layer's turn comes:
     the layer above started the copy (on a GPU, on the side stream, overlapping its own recomputation). Only the
     top layer fetches its own."""
-    from tasks.train_adapter import checkpointing
+    from tasks.train_adapter.levers import recompute
 
     ready: list[bool] = []
-    original = checkpointing._fetched
+    original = recompute._fetched
 
     def spy(ctx: Any) -> Any:
         ready.append(ctx.fetched is not None)
         return original(ctx)
 
-    monkeypatch.setattr(checkpointing, "_fetched", spy)
+    monkeypatch.setattr(recompute, "_fetched", spy)
     base = _tiny()
     enable_checkpointing(base, offload=True)
     base.train()
@@ -212,7 +212,7 @@ def test_output_layer_kept_in_host_memory_gives_the_same_loss_and_gradients() ->
     the fused loss, which alone uses it in training, gives the same loss and gradients to the bit."""
     from peft import LoraConfig, get_peft_model
 
-    from tasks.train_adapter.loss import offload_output_layer
+    from tasks.train_adapter.levers.loss import offload_output_layer
 
     examples = _examples([30, 50, 9])
     batch = pack_collator()([{"input_ids": examples.input_ids, "labels": examples.labels}])
@@ -249,7 +249,7 @@ def test_output_layer_stays_where_the_fused_loss_is_not_used_or_the_head_is_shar
         caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from tasks.train_adapter.loss import offload_output_layer
+    from tasks.train_adapter.levers.loss import offload_output_layer
 
     caplog.set_level(logging.INFO, logger="qlora_pipeline")
     assert not offload_output_layer(_tiny())  # transformers' own loss calls the head module
@@ -305,7 +305,7 @@ def test_rows_packed_at_data_time_are_split_back_into_examples(tmp_path: Any) ->
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.examples import ParquetExamples
+    from tasks.on_disk.parquet_dataset import ParquetExamples
 
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7]], "labels": [[-100, 2, 3, -100, 5], [-100, 7]],
                              "position_ids": [[0, 1, 2, 0, 1], [0, 1]], "seq_lengths": [[3, 2], [2]]}),
@@ -431,7 +431,7 @@ def test_module_level_patches_are_undone_after_training() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from tasks.train_adapter import liger
+    from tasks.train_adapter.levers import liger
 
     original = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP, modeling_llama.apply_rotary_pos_emb)
 
@@ -452,12 +452,12 @@ def test_module_level_patches_are_undone_after_training() -> None:
 
 
 def test_a_flow_start_freezes_startup_objects_and_later_cycles_are_still_freed() -> None:
-    """runtime.freeze_startup_objects (the flows' on_running hook) takes what exists out of the collector's scans;
+    """memory.freeze_startup_objects (the flows' on_running hook) takes what exists out of the collector's scans;
     what is built afterwards, a model in a reference cycle included, is still freed by release_device_memory."""
     code = """
 import gc, weakref
 import torch
-from tasks.runtime import freeze_startup_objects, release_device_memory
+from tasks.models.memory import freeze_startup_objects, release_device_memory
 assert gc.get_freeze_count() == 0
 freeze_startup_objects()
 frozen = gc.get_freeze_count()

@@ -10,7 +10,7 @@ import pytest
 
 from tasks.config import EMBEDDED_MODEL, LoraArgs, ModelArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tasks.prepare_model.stage import prepare_model
 from tasks.train_adapter.stage import train_adapter
 
@@ -120,8 +120,8 @@ def test_loaded_models_keep_their_own_layers_without_hub_kernels(stages: dict[st
     the model's own flag is what shows it."""
     import torch
 
+    from tasks.models.loading import load_quantized
     from tasks.prepare_model.stage import _load_4bit
-    from tasks.runtime import load_quantized
 
     for model in (_load_4bit(EMBEDDED_MODEL, ModelArgs(), torch.float32), load_quantized(Path(stages["model"]))):
         assert model.use_kernels is False and getattr(model, "_kernels_mode", None) is None
@@ -133,7 +133,7 @@ def test_prepare_model_writes_shards_that_load_and_verify(tmp_path: Path, monkey
     import torch
 
     import tasks.prepare_model.stage as stage
-    from tasks.runtime import load_quantized
+    from tasks.models.loading import load_quantized
 
     monkeypatch.setattr(stage, "SHARD_SIZE", "200KB")
     folder = Path(prepare_model.fn(ModelArgs(), tmp_path / "runs"))

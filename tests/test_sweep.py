@@ -15,7 +15,7 @@ import yaml
 
 from tasks.config import EMBEDDED_DATA, load_config
 from tasks.errors import UserError
-from tasks.sweep import expand
+from tasks.sweep.grid import expand
 from tests.conftest import (
     SMALL_ROWS,
     cli,
@@ -243,7 +243,7 @@ def test_bad_grid_fails_the_flow_before_any_stage(prefect_env: Path, tmp_path: P
 def test_ranking_follows_the_promotion_gate() -> None:
     """Lowest tuned eval loss first; a NaN loss is unranked, never the winner; preference runs by reward accuracy;
     the registry champion's numbers in a candidate's metrics do not enter the comparison."""
-    from tasks.sweep import Outcome, order
+    from tasks.sweep.ranking import Outcome, order
 
     plan = expand(load_config(), {"lora.r": [1, 2, 3, 4]})
     losses = [2.0, float("nan"), 1.5, 2.0]
@@ -262,7 +262,7 @@ def test_ranking_follows_the_promotion_gate() -> None:
 
 
 def test_grid_file_and_candidate_list_shapes(tmp_path: Path) -> None:
-    from tasks.sweep import load_grid
+    from tasks.sweep.grid import load_grid
 
     grid_file, list_file, bad_file = tmp_path / "g.yaml", tmp_path / "l.yaml", tmp_path / "b.yaml"
     grid_file.write_text("lora.r: [4, 8]\nlora.target_modules: [[q_proj, v_proj], all-linear]\n")

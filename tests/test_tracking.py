@@ -21,7 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.config import PROJECT_ROOT, load_config
-from tasks.manifest import read_manifest
+from tasks.on_disk.manifest import read_manifest
 from tests.conftest import cli, cli_env, finish, run_flow, small_overrides, statuses
 
 
@@ -97,8 +97,8 @@ def test_backend_takes_a_name_or_a_list_and_registering_needs_mlflow() -> None:
 
 
 def test_a_resumed_training_reports_into_the_runs_it_opened(tmp_path: Path) -> None:
-    from tasks import tracking
     from tasks.config import TrackArgs
+    from tasks.reporting import tracking
 
     train_dir = tmp_path / "train_adapter" / "0123456789abcdef"
     train_dir.mkdir(parents=True)
@@ -184,7 +184,7 @@ def test_a_sweep_is_a_parent_run_with_its_candidates_as_children(mlflow_server: 
     from mlflow import MlflowClient
 
     from flows.qlora_sweep import qlora_sweep
-    from tasks.tracking.mlflow import RANKING_TAG, SWEEP_TAG
+    from tasks.reporting.tracking.mlflow import RANKING_TAG, SWEEP_TAG
 
     base = load_config(None, small_overrides(small_data, tmp_path / "runs", **{
         "train.max_steps": 3, "eval.generation_samples": 2, "track.backend": "mlflow",
@@ -266,8 +266,8 @@ def test_a_uri_with_credentials_is_refused_and_its_secret_never_printed() -> Non
 def test_tracking_writes_only_under_runs_dir_or_allowed_roots(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    from tasks import tracking
     from tasks.errors import UserError
+    from tasks.reporting import tracking
 
     runs, data, elsewhere = tmp_path / "runs", tmp_path / "data", tmp_path / "elsewhere"
     for folder in (runs, data, elsewhere):
@@ -298,8 +298,8 @@ def test_tracking_writes_only_under_runs_dir_or_allowed_roots(tmp_path: Path) ->
 
 def test_a_tracking_target_that_cannot_take_the_run_is_refused_in_one_paragraph(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks import tracking
     from tasks.errors import UserError
+    from tasks.reporting import tracking
 
     def refusal(uri: str | None) -> tuple[str, float]:
         started = time.monotonic()
@@ -372,8 +372,8 @@ def test_an_outage_costs_seconds_and_the_next_run_sends_what_the_server_missed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow import MlflowClient
 
-    from tasks.tracking import PENDING
-    from tasks.tracking.mlflow import KEY_TAG
+    from tasks.reporting.tracking import PENDING
+    from tasks.reporting.tracking.mlflow import KEY_TAG
 
     # credentials come from MLflow's environment variables (the server ignores them): none may be written anywhere
     creds = {"MLFLOW_TRACKING_USERNAME": "bot", "MLFLOW_TRACKING_PASSWORD": SECRET}

@@ -1,11 +1,7 @@
 """vLLM itself, as a tested target: a real vLLM CPU server started here serves the exported adapter (--lora-modules
 and loaded at run time) and the merged folder, each answering held-out prompts as transformers does; and the nightly
-hot-load (tasks/serving.py) puts each new champion into that server, keeps the old one on any failure, and a rollback
-(`qlora-pipeline promote`) serves the chosen version again.
-
-vLLM runs from a virtual environment of its own (its pins differ from the project's: docs/serving.md), found at
-QLORA_VLLM_PYTHON or .venv-vllm/bin/python; CI creates it (.ci/run), elsewhere a missing one skips with the command.
-"""
+hot-load (tasks/export_adapter/serving.py) puts each new champion into that server, keeps the old one on any
+failure, and a rollback (`qlora-pipeline promote`) serves the chosen version again."""
 
 from __future__ import annotations
 
@@ -148,7 +144,7 @@ def held_out(stages: dict[str, Any]) -> dict[str, Any]:
     """The first held-out prompts of the shared eval split (token ids, as evaluate_adapter picks them)."""
     from transformers import AutoTokenizer
 
-    from tasks.examples import ParquetExamples, split_prompt
+    from tasks.on_disk.parquet_dataset import ParquetExamples, split_prompt
 
     examples = ParquetExamples(Path(stages["data"]) / "eval.parquet")
     prompts = [p for p, _ in filter(None, (split_prompt(**examples[i]) for i in range(len(examples))))][:6]
@@ -221,7 +217,7 @@ def test_the_merged_folder_answers_in_vllm_as_in_transformers(exported: Path, he
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks import serving
+    from tasks.export_adapter import serving
 
     prompts, eos = held_out["prompts"], held_out["eos"]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32), prompts, eos)
@@ -245,7 +241,8 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     night switches the name to v0003 and unloads v0001's versioned name; a refused key and a server that is down
     make the run say "serving not updated" and still publish; `qlora-pipeline promote` rolls back to v0001; a version
     that does not answer as its evaluation did is not served (promote exits 1, the old champion keeps serving)."""
-    from tasks import registry, serving
+    from tasks.export_adapter import serving
+    from tasks.registry import store as registry
 
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
     data = tmp_path / "small.jsonl"
@@ -337,7 +334,7 @@ def _random_adapter(out: Path, rank: int) -> None:
 
 def greedy_ids(url: str, name: str, version: Path) -> list[list[int]]:
     """`name`'s greedy token ids for the first held-out prompts of `version`'s own evaluation."""
-    from tasks.serving import check_material
+    from tasks.export_adapter.serving import check_material
 
     prompt = check_material(version.parent, version.name)[0]
     status, body = call(url, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS,
@@ -392,7 +389,7 @@ def test_the_check_takes_equal_answers_and_near_ties_only(stages: dict[str, Any]
     pass within serve.tolerance and fail beyond it; an answer unrelated to the evaluated one fails."""
     from transformers import AutoTokenizer
 
-    from tasks.serving import agreement
+    from tasks.export_adapter.serving import agreement
 
     tokenizer = AutoTokenizer.from_pretrained(stages["model"])
     want = tokenizer("The opposite of hot is cold.", add_special_tokens=False).input_ids

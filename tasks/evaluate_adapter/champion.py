@@ -31,7 +31,6 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
-from tasks import registry
 from tasks.config import EvalArgs, ExportArgs
 from tasks.evaluate_adapter import preference
 from tasks.evaluate_adapter.generation import score
@@ -45,12 +44,16 @@ from tasks.evaluate_adapter.stage import (
     _remembered,
     _without_cudnn_attention,
 )
-from tasks.examples import ParquetExamples
-from tasks.gate import WEIGHTS, identity, same_adapter
-from tasks.limits import cpu_share
+from tasks.hashing.files import file_sha256
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, file_sha256, hash_json, read_manifest
-from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
+from tasks.models.loading import load_for_evaluation, load_tokenizer
+from tasks.models.memory import release_device_memory
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, read_manifest
+from tasks.on_disk.parquet_dataset import ParquetExamples
+from tasks.pool.cpus import cpu_share
+from tasks.registry import store as registry
+from tasks.registry.gate import WEIGHTS, identity, same_adapter
 
 
 @dataclass
@@ -68,8 +71,8 @@ class _ChampionCache(CachePolicy):
                                     Path(inputs["eval_dir"]), inputs["export"], fix=False)
         except Exception:  # noqa: BLE001 - no key: the task runs, and raises what it meets there, once
             return None
-        scored = None if why else identity(current)
-        return "score_champion-" + hash_json([Path(inputs["eval_dir"]).name, scored, str(inputs["runs_dir"])])[:24]
+        scored, evaluation = None if why else identity(current), Path(inputs["eval_dir"]).name
+        return "score_champion-" + cache_key([evaluation, scored, str(inputs["runs_dir"])], digits=24)
 
 
 # not a stage: no folder of its own; its results are remembered in the evaluation memo and by Prefect (_ChampionCache)

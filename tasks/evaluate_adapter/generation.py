@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 # the prompt/reference split lives in the contract (serving checks a served champion on the same prompts)
-from tasks.examples import split_prompt  # noqa: F401 - re-exported for the stage and its tests
+from tasks.on_disk.parquet_dataset import split_prompt  # noqa: F401 - re-exported for the stage and its tests
 
 
 def normalize(text: str) -> str:
@@ -69,7 +69,7 @@ def generation_tokens(model: Any, loss_tokens: int) -> int:
     output and the fp32 copy the loss reads), a generation batch each token's keys and values in every layer (the
     logits of one position per row). For Llama-3.1-8B that is 5.9 times the tokens, so the 32 held-out prompts of
     the Dolly job fit one batch instead of four: four times fewer decoding steps."""
-    from tasks.model_dims import model_dims
+    from tasks.models.dims import model_dims
 
     dims = model_dims(model.config)
     dtype = next(model.parameters()).dtype

@@ -32,7 +32,7 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter: Path
     import pyarrow.parquet as pq
     from peft import PeftModel
 
-    from tasks.runtime import load_for_evaluation, load_tokenizer
+    from tasks.models.loading import load_for_evaluation, load_tokenizer
 
     rows = pq.read_table(data_dir / "eval.parquet").to_pylist()[:args.max_samples]
     if not rows:

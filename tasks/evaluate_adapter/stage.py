@@ -32,8 +32,6 @@ from typing import Any
 
 from prefect import task
 
-from tasks import artifacts, disk
-from tasks.caching import stage_task_options
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import preference
@@ -46,19 +44,17 @@ from tasks.evaluate_adapter.generation import (
     score,
     split_prompt,
 )
-from tasks.examples import ParquetExamples, pad_collator
-from tasks.limits import cpu_share
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
-from tasks.manifest import (
-    PREFERENCE_FORMATS,
-    DataMetrics,
-    StageSpec,
-    hash_json,
-    open_stage,
-    read_manifest,
-    upstream_key,
-)
-from tasks.runtime import load_for_evaluation, load_tokenizer, release_device_memory
+from tasks.models.loading import load_for_evaluation, load_tokenizer
+from tasks.models.memory import release_device_memory
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
+from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
+from tasks.pool.cpus import cpu_share
+from tasks.reporting import artifacts
 
 # 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
 # without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);
@@ -77,49 +73,61 @@ def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_
 @task(name="evaluate_adapter", **stage_task_options(spec))
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
     """Eval loss, perplexity and generation metrics of the base model and base + adapter."""
-    # this run's share of the host's cores for torch (tasks/limits.py)
+    # this run's share of the host's cores for torch (tasks/pool/cpus.py)
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage, cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)
         data = read_manifest(Path(data_dir))
-        if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:  # dpo / kto data
-            with _without_cudnn_attention():  # its answer batches are padded and masked too
-                metrics, refs, prompts, results = preference.evaluate(args, Path(data_dir), Path(model_dir),
-                                                                      Path(adapter_dir) / "adapter")
-            tokenizer = load_tokenizer(Path(model_dir))
-            samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-            outputs = _write(stage.dir, metrics, samples, results, False)
-            logger().info("evaluate_adapter: %s", json.dumps(metrics))
-            artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
-                                   "and by base + adapter, scored against the chosen answer")
-            stage.finish(outputs, metrics)
-            return str(stage.dir)
-        examples = ParquetExamples(Path(data_dir) / "eval.parquet")
-        count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
-        if count == 0:
-            raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
-        tokenizer = load_tokenizer(Path(model_dir))
-        base = _Base(partial(load_for_evaluation, Path(model_dir), args.dequantize))
-        batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
-        prompts, references = _held_out(examples, count, args.generation_samples, Path(data_dir))
-        run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
-        logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
-                      "model then base + adapter", count, len(batches), len(prompts))
-        memo = _memo(runs_dir, Path(data_dir), Path(model_dir), args, base.in_4bit)
-        with _without_cudnn_attention():
-            results = _evaluate_all(base, Path(adapter_dir) / "adapter", tokenizer, batches, prompts, args,
-                                    run_lm_eval, memo)
-        base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
-        release_device_memory()
-        refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
-        samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-        metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
-        outputs = _write(stage.dir, metrics, samples, results, run_lm_eval)
-        logger().info("evaluate_adapter: %s", _readable(metrics))
-        artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
-                               f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
+        pairs = isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS  # dpo / kto data
+        evaluate = _evaluate_preference if pairs else _evaluate_sft
+        outputs, metrics = evaluate(args, runs_dir, stage.dir, Path(data_dir), Path(model_dir), Path(adapter_dir))
         stage.finish(outputs, metrics)
         return str(stage.dir)
+
+
+def _evaluate_preference(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path,
+                         adapter_dir: Path) -> tuple[list[str], dict[str, Any]]:
+    """Preference data: reward accuracy and margin of base and tuned on the held-out pairs, and greedy answers
+    (preference.py), written into `out`; the files written and the metrics."""
+    with _without_cudnn_attention():  # its answer batches are padded and masked too
+        metrics, refs, prompts, results = preference.evaluate(args, data_dir, model_dir, adapter_dir / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+    outputs = _write(out, metrics, samples, results, False)
+    logger().info("evaluate_adapter: %s", json.dumps(metrics))
+    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
+                           "and by base + adapter, scored against the chosen answer")
+    return outputs, metrics
+
+
+def _evaluate_sft(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path, adapter_dir: Path
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """Loss, perplexity and greedy answers of base and tuned on the held-out examples (the base's from the memo
+    where an earlier evaluation left them), written into `out`; the files written and the metrics."""
+    examples = ParquetExamples(data_dir / "eval.parquet")
+    count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
+    if count == 0:
+        raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
+    tokenizer = load_tokenizer(model_dir)
+    base = _Base(partial(load_for_evaluation, model_dir, args.dequantize))
+    batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
+    prompts, references = _held_out(examples, count, args.generation_samples, data_dir)
+    run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
+    logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
+                  "model then base + adapter", count, len(batches), len(prompts))
+    memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit)
+    with _without_cudnn_attention():
+        results = _evaluate_all(base, adapter_dir / "adapter", tokenizer, batches, prompts, args, run_lm_eval, memo)
+    base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
+    release_device_memory()
+    refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
+    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+    metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
+    outputs = _write(out, metrics, samples, results, run_lm_eval)
+    logger().info("evaluate_adapter: %s", _readable(metrics))
+    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
+                           f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
+    return outputs, metrics
 
 
 def _without_cudnn_attention() -> contextlib.AbstractContextManager[Any]:
@@ -223,7 +231,7 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
               "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
-    return runs_dir / "evaluate_adapter" / ".memo" / hash_json(inputs)[:16]
+    return runs_dir / "evaluate_adapter" / ".memo" / cache_key(inputs)
 
 
 def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import disk
 from tasks.errors import UserError
 from tasks.log import logger
+from tasks.on_disk import disk
 
 # model_type -> (gguf architecture name, whether q/k rows are permuted to llama.cpp's interleaved rope layout:
 # llama.cpp's converter does it for Llama-style models, Qwen2 uses the NeoX layout unchanged)

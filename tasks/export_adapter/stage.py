@@ -8,8 +8,8 @@ revision, data fingerprint, settings, how to load), run_config.yaml (the RunConf
 produced it) and, with export.merge, merged/ (base dequantized, adapter merged in; loads with
 AutoModelForCausalLM).
 
-Then publishes that folder as runs_dir/exports/<export.name>/vNNNN/ (tasks/registry.py): promoted to
-champion when it passes the gate (tasks/gate.py: beats the champion, scored on this run's eval data by
+Then publishes that folder as runs_dir/exports/<export.name>/vNNNN/ (tasks/registry/store.py): promoted to
+champion when it passes the gate (tasks/registry/gate.py: beats the champion, scored on this run's eval data by
 score_champion, or with none yet its base model, by export.promotion_margin), else kept as a rejected
 candidate with the reason. An adapter with non-finite weights (a diverged training) is refused before anything
 is written. Publishing happens once per stage key: a cached stage publishes nothing, and the manifest's
@@ -29,15 +29,17 @@ from typing import Any
 import yaml
 from prefect import task
 
-from tasks import disk, registry
-from tasks.caching import stage_task_options
 from tasks.config import ExportArgs, RunConfig
 from tasks.errors import UserError
 from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
-from tasks.manifest import ChampionScores, Manifest, StageSpec, open_stage, read_manifest
-from tasks.runtime import TOKENIZER_FILES
+from tasks.models.sources import TOKENIZER_FILES
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import ChampionScores, Manifest, read_manifest
+from tasks.registry import store as registry
 
 # 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
 # Conv1D layers; 2: registry, merged model, generation metrics
@@ -138,7 +140,8 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     import torch
     from peft import PeftModel
 
-    from tasks.runtime import load_quantized, release_device_memory
+    from tasks.models.loading import load_quantized
+    from tasks.models.memory import release_device_memory
 
     # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
     # original full-precision ones, whose quantization error the adapter never saw)

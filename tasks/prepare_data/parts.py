@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from tasks.errors import UserError
+from tasks.hashing.files import file_sha256
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
-from tasks.manifest import file_sha256, hash_json
 from tasks.prepare_data.sources import Problems, RawChunk, content_sha256, file_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, tokenize_all
 
@@ -69,7 +70,7 @@ def part_key(sha256: str, settings: Settings, tokenizer: dict[str, str], version
     shaping = {"fmt": settings.fmt, "column_mapping": settings.column_mapping, "completion_only":
                settings.completion_only, "max_len": settings.max_len, "chat_template": settings.chat_template,
                "prefix": settings.prefix, "eos": settings.eos, "fold_system": settings.fold_system}
-    return hash_json(["prepare_data-part", version, sha256, shaping, tokenizer])[:16]
+    return cache_key(["prepare_data-part", version, sha256, shaping, tokenizer])
 
 
 def read_part(folder: Path) -> dict[str, Any] | None:

@@ -22,8 +22,9 @@ from typing import Any, Literal
 
 from tasks.config import DataArgs
 from tasks.errors import UserError
-from tasks.manifest import file_sha256, files_fingerprint, hash_json
-from tasks.runtime import is_local, resolve_hub_revision
+from tasks.hashing.files import file_sha256, files_fingerprint
+from tasks.hashing.keys import hash_json
+from tasks.models.sources import is_local, resolve_hub_revision
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw: one text row per line
 CHUNK_ROWS = 4096  # rows per chunk: one tokenizer call, one Parquet row group

@@ -27,17 +27,20 @@ from typing import Any
 import numpy as np
 from prefect import task
 
-from tasks.caching import stage_task_options
 from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
-from tasks.limits import cpu_threads
+from tasks.hashing.keys import cache_key
 from tasks.log import logger
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, hash_json, open_stage, read_manifest
+from tasks.models.loading import load_tokenizer
+from tasks.models.sources import TOKENIZER_FILES, max_positions, model_fingerprint, model_path
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageRun, StageSpec, open_stage
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
+from tasks.pool.cpus import cpu_threads
 from tasks.prepare_data import overlap, parts, preference
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
 from tasks.prepare_data.sources import Problems, RawChunk, columns, data_files, decode, fingerprint, is_hub, read_chunks
 from tasks.prepare_data.tokenization import Settings, Tokenized, detokenize, make_settings, tokenize_all
-from tasks.runtime import TOKENIZER_FILES, load_tokenizer, max_positions, model_fingerprint, model_path
 
 VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]
@@ -67,58 +70,77 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
             return str(stage.dir)
         train_src = _Source(args, "data.source")
         eval_src = _Source(_eval_args(args), "data.eval_source") if args.eval_source else None
-        fmt = train_src.fmt
-        if eval_src is not None and (eval_src.fmt in PREFERENCE_FORMATS) != (fmt in PREFERENCE_FORMATS):
-            raise UserError(f"data.eval_source={args.eval_source!r} is in the {eval_src.fmt} format and data.source "
-                            f"in the {fmt} format: evaluation needs the kind of examples training has (preference "
-                            "pairs for both, or instruction/chat/text for both). Point data.eval_source at such data.")
-        if fmt in PREFERENCE_FORMATS:  # pairs or rated answers: their own columns (TRL's)
-            tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
-            metrics, shared = preference.write(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir,
-                                               VERSION, eval_src.raw() if eval_src else None,
-                                               eval_src.problems if eval_src else None)
-            _raise_problems(train_src, eval_src)
-            _check(args, fmt, metrics)
-            overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared)
-            logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
-            stage.finish(OUTPUTS, metrics)
-            return str(stage.dir)
-        keyed = {k: v for k, v in stage.spec.fingerprint.items() if k.startswith("tokenizer_")}
-        parts_dir = stage.spec.runs_dir / "prepare_data" / "parts"
-        settings = _settings(args, model, fmt, parts_dir / f"tokenizer-{_tokenizer_key(keyed)}.json")
-        logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
-                      "completion-only" if settings.completion_only else "full-text", settings.max_len)
-        eval_settings = settings if eval_src is None or eval_src.fmt == fmt else _settings(args, model, eval_src.fmt)
-        report = _Report(args.max_seq_length)
-        trains = train_src.tokenized(settings, report, keyed, parts_dir)
-        evals_in = eval_src.tokenized(eval_settings, report, keyed, parts_dir) if eval_src else None
-        _raise_problems(train_src, eval_src)  # bad rows of files tokenized into parts, before writing
-        cut = np.uint64(int(args.eval_fraction * 2**64))  # by content hash: reordering rows keeps the split
-        shared = overlap.Overlap()  # with data.eval_source: its examples that training has too
-        with _Writer(stage.dir / "train.parquet", args.pack_examples, settings) as train, \
-                _Writer(stage.dir / "eval.parquet", False, settings) as evals:
-            for part in evals_in or ():  # first: the eval set's hashes are what training examples are looked up in
-                evals.write(part, np.ones(len(part.hashes), bool))
-                shared.add_eval(part.hashes)
-            for part in trains:
-                train.write(part, part.hashes >= cut if evals_in is None else np.ones(len(part.hashes), bool))
-                if evals_in is None:
-                    evals.write(part, part.hashes < cut)
-                else:
-                    shared.match(part.hashes, functools.partial(_example_text, part))
-        _raise_problems(train_src, eval_src)
-        _check_snapshot(args, stage.spec.fingerprint["data"])
-        if eval_src is not None:
-            _check_snapshot(_eval_args(args), stage.spec.fingerprint["eval_data"], "data.eval_source")
-        metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
-                   "chat_template": args.chat_template if fmt == "chat" else None,
-                   "pack_examples": args.pack_examples, **report.metrics(train, evals),
-                   **_part_counts(train_src, eval_src), "eval_overlap": shared.count()}
-        _check(args, fmt, metrics)
-        overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared.examples)
-        logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
-        stage.finish(OUTPUTS, metrics)
+        _check_same_kind(args, train_src, eval_src)
+        write = _write_preference if train_src.fmt in PREFERENCE_FORMATS else _write_sft  # pairs: TRL's own columns
+        stage.finish(OUTPUTS, write(args, model, stage, train_src, eval_src))
         return str(stage.dir)
+
+
+def _check_same_kind(args: DataArgs, train_src: _Source, eval_src: _Source | None) -> None:
+    """Fail when data.eval_source holds another kind of example than data.source (pairs against sequences)."""
+    fmt = train_src.fmt
+    if eval_src is not None and (eval_src.fmt in PREFERENCE_FORMATS) != (fmt in PREFERENCE_FORMATS):
+        raise UserError(f"data.eval_source={args.eval_source!r} is in the {eval_src.fmt} format and data.source "
+                        f"in the {fmt} format: evaluation needs the kind of examples training has (preference "
+                        "pairs for both, or instruction/chat/text for both). Point data.eval_source at such data.")
+
+
+def _write_preference(args: DataArgs, model: ModelArgs, stage: StageRun, train_src: _Source,
+                      eval_src: _Source | None) -> dict[str, Any]:
+    """Pairs or rated answers (train.method dpo / kto) into train.parquet and eval.parquet in TRL's columns
+    (preference.py); their metrics."""
+    fmt = train_src.fmt
+    tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
+    metrics, shared = preference.write(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir,
+                                       VERSION, eval_src.raw() if eval_src else None,
+                                       eval_src.problems if eval_src else None)
+    _raise_problems(train_src, eval_src)
+    _check(args, fmt, metrics)
+    overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared)
+    logger().info("prepare_data: %s format\n%s", fmt, _table(metrics, args.max_seq_length))
+    return metrics
+
+
+def _write_sft(args: DataArgs, model: ModelArgs, stage: StageRun, train_src: _Source,
+               eval_src: _Source | None) -> dict[str, Any]:
+    """Instruction, chat or text examples tokenized (per file into content-keyed parts where the source has several)
+    into train.parquet and eval.parquet; their metrics."""
+    fmt = train_src.fmt
+    keyed = {k: v for k, v in stage.spec.fingerprint.items() if k.startswith("tokenizer_")}
+    parts_dir = stage.spec.runs_dir / "prepare_data" / "parts"
+    settings = _settings(args, model, fmt, parts_dir / f"tokenizer-{_tokenizer_key(keyed)}.json")
+    logger().info("prepare_data: %s format, %s loss, max_seq_length %d", fmt,
+                  "completion-only" if settings.completion_only else "full-text", settings.max_len)
+    eval_settings = settings if eval_src is None or eval_src.fmt == fmt else _settings(args, model, eval_src.fmt)
+    report = _Report(args.max_seq_length)
+    trains = train_src.tokenized(settings, report, keyed, parts_dir)
+    evals_in = eval_src.tokenized(eval_settings, report, keyed, parts_dir) if eval_src else None
+    _raise_problems(train_src, eval_src)  # bad rows of files tokenized into parts, before writing
+    cut = np.uint64(int(args.eval_fraction * 2**64))  # by content hash: reordering rows keeps the split
+    shared = overlap.Overlap()  # with data.eval_source: its examples that training has too
+    with _Writer(stage.dir / "train.parquet", args.pack_examples, settings) as train, \
+            _Writer(stage.dir / "eval.parquet", False, settings) as evals:
+        for part in evals_in or ():  # first: the eval set's hashes are what training examples are looked up in
+            evals.write(part, np.ones(len(part.hashes), bool))
+            shared.add_eval(part.hashes)
+        for part in trains:
+            train.write(part, part.hashes >= cut if evals_in is None else np.ones(len(part.hashes), bool))
+            if evals_in is None:
+                evals.write(part, part.hashes < cut)
+            else:
+                shared.match(part.hashes, functools.partial(_example_text, part))
+    _raise_problems(train_src, eval_src)
+    _check_snapshot(args, stage.spec.fingerprint["data"])
+    if eval_src is not None:
+        _check_snapshot(_eval_args(args), stage.spec.fingerprint["eval_data"], "data.eval_source")
+    metrics = {"format": fmt, "completion_only_loss": settings.completion_only,
+               "chat_template": args.chat_template if fmt == "chat" else None,
+               "pack_examples": args.pack_examples, **report.metrics(train, evals),
+               **_part_counts(train_src, eval_src), "eval_overlap": shared.count()}
+    _check(args, fmt, metrics)
+    overlap.check(args, metrics["eval_overlap"], metrics["eval_examples"], shared.examples)
+    logger().info("prepare_data:\n%s", _table(metrics, args.max_seq_length))
+    return metrics
 
 
 def _check_reused(args: DataArgs, folder: Path) -> None:
@@ -217,7 +239,7 @@ def _check_snapshot(args: DataArgs, keyed: str, field: str = "data.source") -> N
 
 def _tokenizer_key(keyed: dict[str, str]) -> str:
     # what transformers makes of the tokenizer's files may change with its version
-    return hash_json([keyed, metadata.version("transformers")])[:16]
+    return cache_key([keyed, metadata.version("transformers")])
 
 
 def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = None) -> Settings:
@@ -242,7 +264,7 @@ def _settings(args: DataArgs, model: ModelArgs, fmt: str, saved: Path | None = N
 
 
 def _cores() -> int:
-    """Tokenizer worker processes: this run's share of the host's cores (tasks/limits.py)."""
+    """Tokenizer worker processes: this run's share of the host's cores (tasks/pool/cpus.py)."""
     return cpu_threads("prepare_data (tokenizer workers)")
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks import disk
 from tasks.log import logger
+from tasks.on_disk import disk
 from tasks.prepare_data.formats import Segments, fold_system, to_segments
 from tasks.prepare_data.sources import Problems, RawChunk, decode
 
@@ -112,7 +112,7 @@ def _describe_in_helper(tokenizer_dir: str) -> dict[str, Any]:
 
 
 def _describe(tokenizer_dir: str) -> dict[str, Any]:
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     probe = tokenizer("a")["input_ids"]
@@ -149,7 +149,7 @@ def init(settings: Settings, worker: bool = True) -> None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     tokenizer = backend = None
     if settings.fmt == "chat" or settings.backend_json is None:  # needs transformers: chat templates, slow tokenizers
-        from tasks.runtime import load_tokenizer
+        from tasks.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(settings.tokenizer_dir)
         backend = getattr(tokenizer, "_tokenizer", None)

@@ -18,22 +18,15 @@ from typing import Any
 
 from prefect import task
 
-from tasks import disk
-from tasks.caching import stage_task_options
 from tasks.config import ModelArgs
+from tasks.hashing.files import prefetch_sha256
 from tasks.log import logger
-from tasks.manifest import StageSpec, open_stage, prefetch_sha256
-from tasks.runtime import (
-    LOAD_KWARGS,
-    TOKENIZER_FILES,
-    compute_dtype,
-    device,
-    is_local,
-    load_tokenizer,
-    model_fingerprint,
-    model_path,
-    plain_linear_layers,
-)
+from tasks.models.loading import LOAD_KWARGS, compute_dtype, device, load_tokenizer
+from tasks.models.quirks import plain_linear_layers
+from tasks.models.sources import TOKENIZER_FILES, is_local, model_fingerprint, model_path
+from tasks.on_disk import disk
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
 
 VERSION = "3"  # 3: Falcon's FalconLinear layers quantized (they stayed bf16); 2: the attention implementation recorded
 # safetensors gathers a whole shard in host memory before writing it, and transformers' default shard is 50 GB:
@@ -52,9 +45,9 @@ def spec(args: ModelArgs, runs_dir: Path) -> StageSpec:
 
 def prefetch_fingerprint(args: ModelArgs, runs_dir: Path) -> threading.Thread | None:
     """Start hashing a local base model's files for this stage's key while the stages before it run (the flows
-    call it first; manifest.prefetch_sha256 says why). A hub model's key is its commit: nothing to hash. The
-    tokenizer's files are left out: prepare_data's key reads them at once, and on a host with few cores they
-    would queue behind the weights."""
+    call it first; tasks/hashing/files.py prefetch_sha256 says why). A hub model's key is its commit: nothing to
+    hash. The tokenizer's files are left out: prepare_data's key reads them at once, and on a host with few cores
+    they would queue behind the weights."""
     folder = Path(args.base_model).expanduser()
     if not (is_local(args.base_model) and folder.is_dir()):
         return None  # a folder that is not there: the stage's own key says so
@@ -114,7 +107,7 @@ def quantization_config(args: ModelArgs, dtype: Any) -> Any:
 def _load_4bit(source: Path, args: ModelArgs, dtype: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    with plain_linear_layers(source):  # Falcon's layers too (runtime.SAME_AS_LINEAR)
+    with plain_linear_layers(source):  # Falcon's layers too (quirks.SAME_AS_LINEAR)
         return AutoModelForCausalLM.from_pretrained(
             source, quantization_config=quantization_config(args, dtype), dtype=dtype,
             attn_implementation=attention(source, args.attn_implementation),

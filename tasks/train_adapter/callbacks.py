@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from tasks.artifacts import TrainingProgress, loss_curve
-from tasks.examples import pad_collator
 from tasks.log import logger
-from tasks.train_adapter.checkpoints import write_marker
+from tasks.on_disk.parquet_dataset import pad_collator
+from tasks.reporting.artifacts import TrainingProgress, loss_curve
+from tasks.train_adapter.resume import write_marker
 
 
 class mark_complete(TrainerCallback):  # noqa: N801

@@ -8,15 +8,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.examples import ParquetExamples
 from tasks.log import logger
-from tasks.runtime import device, load_quantized, read_model_metrics
+from tasks.models.loading import device, load_quantized, read_model_metrics
+from tasks.on_disk.parquet_dataset import ParquetExamples
+from tasks.reporting import tracking
 from tasks.train_adapter import plan
-from tasks.train_adapter.checkpoints import latest_checkpoint
-from tasks.train_adapter.parallel import fsdp_settings, save_sharded_adapter
+from tasks.train_adapter.levers.parallel import fsdp_settings, save_sharded_adapter
+from tasks.train_adapter.resume import latest_checkpoint
 
 
 def host_sync_free() -> dict[str, Any]:

@@ -28,8 +28,8 @@ from typing import Any
 
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.limits import THREADS_VARIABLE
 from tasks.log import logger
+from tasks.pool.cpus import THREADS_VARIABLE
 
 RESULT = ".rank0-result.json"  # rank 0's metrics, read by the parent
 USER_ERROR_PREFIX = "QLORA_USER_ERROR: "

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from tasks.model_dims import Dims
+from tasks.models.dims import Dims
 
 GIB = 2**30
 # fitted to measured 8B runs: docs/performance.md, "The time model"

@@ -1,7 +1,7 @@
 """The training plan of train_adapter: which speed and memory levers apply on this device, and the micro-batches.
 
-Each lever lives in its own module (attention, loss, checkpointing, mlp, liger, fused_lora) and is a SpeedArgs
-option (see its descriptions); memory_plan.py chooses, for a GPU memory budget, the pack size, the layers that
+Each lever lives in its own module of levers/ and is registered in levers.LEVERS with the SpeedArgs options that
+steer it (see their descriptions); memory_plan.py chooses, for a GPU memory budget, the pack size, the layers that
 recompute their activations and the offloads. Everything here also runs on CPU, where the GPU-only parts step aside,
 so the CPU tests cover it.
 """
@@ -13,24 +13,19 @@ from typing import Any
 
 from tasks.config import PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.examples import ParquetExamples, pad_collator
 from tasks.log import logger
-from tasks.model_dims import model_dims
-from tasks.runtime import set_expandable_segments
-from tasks.train_adapter import recompute_skip
-from tasks.train_adapter.attention import dense_attention, use_packed_attention
-from tasks.train_adapter.checkpointing import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
-from tasks.train_adapter.liger import apply_liger
-from tasks.train_adapter.loss import (
-    fused_loss_unsupported,
-    offload_output_layer,
-    output_layer_offload_unsupported,
-    use_fused_loss,
-)
+from tasks.models.dims import model_dims
+from tasks.models.memory import set_expandable_segments
+from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
+from tasks.train_adapter import levers
+from tasks.train_adapter.levers.attention import dense_attention
+from tasks.train_adapter.levers.fused_lora import fuses_lora
+from tasks.train_adapter.levers.loss import offload_output_layer, output_layer_offload_unsupported
+from tasks.train_adapter.levers.mlp import decoder_layers, recompute_mlps
+from tasks.train_adapter.levers.packs import PackedExamples, pack_collator
+from tasks.train_adapter.levers.parallel import several_processes
+from tasks.train_adapter.levers.recompute import embedding_offload_unsupported, enable_checkpointing, offload_embeddings
 from tasks.train_adapter.memory_plan import GIB, Choices, Fixed, MemoryPlan, choose_plan, smallest_peak_gib
-from tasks.train_adapter.mlp import decoder_layers, recompute_mlps, tile_mlp
-from tasks.train_adapter.packs import PackedExamples, pack_collator
-from tasks.train_adapter.parallel import several_processes
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ class MicroBatches:
     recompute_layers: int | None = None  # decoder layers recomputed in the backward pass (None: no checkpointing)
     recompute_mlp_layers: int = 0  # the next decoder layers, which recompute only their MLP
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.as_dict() where the plan chose (GPU, packing)
-    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (padding_free.py)
+    padding_free: bool = False  # preference runs: TRL's padded rows run as one packed row (levers/padding_free.py)
 
 
 def gpu_budget_gb(speed: SpeedArgs) -> float:
@@ -103,55 +98,29 @@ def optimizer(train: TrainArgs, speed: SpeedArgs) -> str:
 
 
 def prepare_base(model: Any, speed: SpeedArgs) -> list[str]:
-    """Before LoRA wraps the model: Liger kernels, packed attention, fused loss. Returns what was applied; a lever
-    that does not fit the model's family logs one line saying why and steps aside."""
+    """Before LoRA wraps the model: the levers of phase "base" (Liger kernels, MLP chunks, packed attention, fused
+    loss), in levers.LEVERS' order. Returns what was applied; a lever that does not fit the model's family logs one
+    line saying why and steps aside."""
     import torch
 
-    applied = []
     model.config.use_cache = False  # with a cache, transformers ignores packed position ids when masking
     if torch.cuda.is_available():  # fewer half-empty segments: reserved memory stays near allocated
         set_expandable_segments(True)
-    if apply_liger(model, speed.use_liger_kernel):
-        applied.append("liger")
-    if speed.mlp_chunk_tokens:
-        if tile_mlp(model, speed.mlp_chunk_tokens):
-            applied.append(f"MLP in chunks of {speed.mlp_chunk_tokens} tokens")
-        else:
-            logger().info("train_adapter: chunked MLP steps aside: %s has no decoder layers with an .mlp",
-                          type(model).__name__)
-    if speed.packing:
-        applied.append(f"packed attention ({use_packed_attention(model)})")
-    if speed.fused_cross_entropy:
-        reason = fused_loss_unsupported(model)
-        if reason is None and use_fused_loss(model):
-            applied.append("fused cross-entropy")
-        else:
-            logger().info("train_adapter: fused cross-entropy steps aside: %s; transformers computes the loss",
-                          reason)
-    return applied
+    return levers.apply_phase("base", model, speed)
 
 
 def prepare_peft(model: Any, speed: SpeedArgs) -> Any:
-    """After get_peft_model: each LoRA layer as one autograd function (fused_lora.py). Returns the model."""
+    """After get_peft_model: the levers of phase "peft" (each LoRA layer as one autograd function,
+    levers/fused_lora.py). Returns the model."""
     import torch
 
-    from tasks.train_adapter.fused_lora import fuse_lora_layers
-
-    applied = [f"fused LoRA layers ({fuse_lora_layers(model)})"] if fuses_lora(speed) else []
-    recompute_skip.configure(model, speed.recompute_skip)
-    if applied and speed.recompute_skip:
-        applied.append("recomputation skipping the LoRA outputs it never reads, where the autograd graph shows so")
+    applied = levers.apply_phase("peft", model, speed)
     dropout = [d.p for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()
                if isinstance(d, torch.nn.Dropout) and d.p > 0]
     if applied and dropout:
         applied.append(f"except in training, where lora_dropout {max(dropout)} keeps peft's own path")
     logger().info("train_adapter: %s", ", ".join(applied) or "peft's own LoRA layers")
     return model
-
-
-def fuses_lora(speed: SpeedArgs) -> bool:
-    """speed.fused_lora, or for None: on, except with FSDP, which shards the base weights the fused backward reads."""
-    return speed.fused_lora if speed.fused_lora is not None else not speed.fsdp
 
 
 def smaller_packs(train: TrainArgs, speed: SpeedArgs, batches: MicroBatches, exc: BaseException

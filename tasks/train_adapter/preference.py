@@ -8,7 +8,7 @@ pre-tokenized from prepare_data in TRL's own columns, so TRL's tokenization step
 
 Speed levers, SFT's where they fit TRL's loss (docs/preference.md has the reasoning and the measurements):
 - padding-free batches (speed.packing, on by default): TRL's trainers pad each row to the longest of the
-  micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; padding_free.py runs the real tokens as one
+  micro-batch, and TRL 1.16 turns its own DPOConfig.padding_free off; levers/padding_free.py runs the real tokens as one
   row (varlen attention on a GPU, a block-diagonal mask elsewhere) under TRL's loss, for the policy, reference and
   KL passes alike. Where a token budget is set (the memory plan's on a GPU, speed.max_tokens_per_batch), DPO's
   micro-batches are groups of whole pairs sized in tokens (prompt + chosen and prompt + rejected), like SFT's
@@ -35,13 +35,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks import tracking
 from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
-from tasks.runtime import device, load_quantized, read_model_metrics
+from tasks.models.loading import device, load_quantized, read_model_metrics
+from tasks.reporting import tracking
 from tasks.train_adapter import plan
-from tasks.train_adapter.checkpoints import latest_checkpoint
+from tasks.train_adapter.resume import latest_checkpoint
 
 
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
@@ -110,7 +110,7 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
     from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
     from tasks.train_adapter.divergence import FiniteLoss, check_init_adapter, guarded
     from tasks.train_adapter.fit import host_sync_free
-    from tasks.train_adapter.padding_free import unpad_forward
+    from tasks.train_adapter.levers.padding_free import unpad_forward
 
     model = load_quantized(model_dir)
     if speed.upcast_frozen_to_fp32:
@@ -173,9 +173,9 @@ def _grouped(train: TrainArgs, speed: SpeedArgs) -> bool:
     sizes them (the memory plan's on a GPU, speed.max_tokens_per_batch elsewhere). Without a budget (a CPU by
     default) the micro-batch is per_device_train_batch_size pairs drawn by the Trainer's own sampler, as TRL's
     padded path draws them, so both train on the same pairs in every optimizer step and log the same losses
-    (padding-free still runs each micro-batch as one row). Fixed groups of that many pairs from packs.py's shuffle
-    were no faster and trained on other pairs, with the 1-pair remainder group anywhere in the epoch. KTO keeps its
-    micro-batch of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt.
+    (padding-free still runs each micro-batch as one row). Fixed groups of that many pairs from levers/packs.py's
+    shuffle were no faster and trained on other pairs, with the 1-pair remainder group anywhere in the epoch. KTO keeps
+    its micro-batch of per_device_train_batch_size answers: its KL term pairs each answer with a neighbour's prompt.
     Neither with several processes (speed.num_gpus): TRL gathers each step's per-pair metrics (rewards, margins,
     accuracies) from every process with all_gather, which needs as many pairs on each, and groups sized in tokens
     hold different numbers (two gloo processes failed there, on shapes 3 against 2)."""
@@ -192,9 +192,9 @@ def _micro_batches(trainer: Any, train: TrainArgs, speed: SpeedArgs, dataset: An
     elsewhere every layer recomputed while train.gradient_checkpointing is on, as before."""
     import torch
 
-    from tasks.model_dims import model_dims
-    from tasks.train_adapter.checkpointing import enable_checkpointing, offload_embeddings
-    from tasks.train_adapter.mlp import decoder_layers, recompute_mlps
+    from tasks.models.dims import model_dims
+    from tasks.train_adapter.levers.mlp import decoder_layers, recompute_mlps
+    from tasks.train_adapter.levers.recompute import enable_checkpointing, offload_embeddings
 
     model = trainer.model
     base = model.get_base_model()
@@ -253,7 +253,7 @@ def _lengths(dataset: Any, method: str) -> list[int]:
 
 
 class _PairGroups:
-    """DPO's pairs as micro-batches of whole pairs of at most max_tokens tokens: packs.py's seeded shuffle, then
+    """DPO's pairs as micro-batches of whole pairs of at most max_tokens tokens: levers/packs.py's seeded shuffle, then
     greedy; a pair longer than max_tokens goes alone. One item per micro-batch.
 
     By design an optimizer step then holds gradient_accumulation_steps groups of however many pairs fit the budget,
@@ -263,7 +263,7 @@ class _PairGroups:
     _PreTokenizedDPO), not the mean of its micro-batches' means."""
 
     def __init__(self, dataset: Any, lengths: list[int], max_tokens: int, seed: int) -> None:
-        from tasks.train_adapter.packs import plan_packs
+        from tasks.train_adapter.levers.packs import plan_packs
 
         self.dataset, self.groups = dataset, plan_packs(lengths, max_tokens, None, seed)
 
@@ -282,7 +282,7 @@ def _keep_checkpoint_function(model: Any, offload: bool, recompute: int | None) 
     import torch.utils.checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from tasks.train_adapter.checkpointing import offloaded_checkpoint
+    from tasks.train_adapter.levers.recompute import offloaded_checkpoint
 
     func = offloaded_checkpoint if offload else functools.partial(torch.utils.checkpoint.checkpoint,
                                                                   use_reentrant=False)
@@ -369,7 +369,7 @@ def _collator(train: TrainArgs, pad_id: int) -> Any:
 
 
 def _tokenizer(model_dir: Path) -> Any:
-    from tasks.runtime import load_tokenizer
+    from tasks.models.loading import load_tokenizer
 
     return load_tokenizer(model_dir)
 

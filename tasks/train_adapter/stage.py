@@ -7,7 +7,7 @@ runs_dir/train_adapter/<key>/: adapter/ (PEFT format), loss.jsonl (one line per 
 manifest.json. While it runs, checkpoints/checkpoint-N/ are written every `save_steps` optimizer
 steps; an interrupted run resumes from the latest complete one (adapter, optimizer, scheduler, RNG
 and data position), and they are removed once the adapter is saved. With track.backend, .tracking.json
-names the tracking runs the Trainer reports into (tasks/tracking), kept so a resumed training goes on in them.
+names the tracking runs the Trainer reports into (tasks/reporting/tracking), kept so a resumed training goes on in them.
 """
 
 from __future__ import annotations
@@ -18,18 +18,22 @@ from pathlib import Path
 
 from prefect import task
 
-from tasks import tracking
-from tasks.caching import stage_task_options
 from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
-from tasks.exports import ADAPTER_FILES as INIT_ADAPTER_FILES
-from tasks.exports import resolve_adapter
-from tasks.limits import cpu_share, gpu_slot
-from tasks.manifest import PREFERENCE_FORMATS, DataMetrics, StageSpec, files_fingerprint, open_stage, read_manifest
-from tasks.runtime import allocator_restored
-from tasks.train_adapter import launch, liger, parallel, preference
-from tasks.train_adapter.checkpoints import latest_checkpoint
+from tasks.hashing.files import files_fingerprint
+from tasks.models.memory import allocator_restored
+from tasks.on_disk.caching import stage_task_options
+from tasks.on_disk.folders import StageSpec, open_stage
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
+from tasks.pool.cpus import cpu_share
+from tasks.pool.gpus import gpu_slot
+from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
+from tasks.registry.init_adapter import resolve_adapter
+from tasks.reporting import tracking
+from tasks.train_adapter import launch, preference
 from tasks.train_adapter.fit import fit_and_save
+from tasks.train_adapter.levers import liger, parallel
+from tasks.train_adapter.resume import latest_checkpoint
 
 VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapters trained before were off)
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
@@ -40,7 +44,7 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
     """Cache-key inputs: LoRA, training and speed settings, prepare_model, the bytes of prepare_data's train.parquet
     (all this stage reads of it: a new data.eval_source leaves training reused) and the init adapter's files.
 
-    Not `track`: tracking changes where the training's numbers are sent, not the adapter (tasks/tracking)."""
+    Not `track`: tracking changes where the training's numbers are sent, not the adapter (tasks/reporting/tracking)."""
     data = read_manifest(Path(data_dir))
     if data is None:
         raise RuntimeError(f"{data_dir} has no valid manifest.json: its stage did not finish")

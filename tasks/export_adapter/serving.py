@@ -1,0 +1,297 @@
+"""The champion in a running vLLM server: loaded, checked against its own evaluation, then served under one name.
+
+serve.url names a vLLM server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; clients ask it
+for serve.adapter_name (default export.name), NAME below. After each run, and after `qlora-pipeline promote`,
+`serve_champion` makes NAME answer as the registry's champion:
+
+1. the champion's version folder is loaded as NAME-vNNNN (vLLM's /v1/load_lora_adapter);
+2. NAME-vNNNN answers one held-out prompt of the champion's own evaluation greedily, and the answer is compared with
+   the tuned answer evaluate_adapter recorded for it (`agreement`);
+3. only then does NAME change: it is unloaded and loaded again from the version folder, and must answer exactly as
+   NAME-vNNNN did;
+4. the previous champion's NAME-vNNNN is unloaded.
+
+Why unload + load and not vLLM's in-place reload (load_inplace=true, which leaves no moment without NAME): vLLM 0.32
+keeps that flag on the adapter it serves, so every engine step reads the adapter folder from disk again, and the
+engine dies when that folder is gone (seen on vLLM's CPU build: the server process exits). Unload + load leaves NAME
+unknown for the time of one adapter load, after a load of the same folder has succeeded (a request that lands then
+gets a 404). The load path is the version folder: the server must see runs_dir at the same path (a shared disk).
+
+Any failure (the server down, a refused API key, a failed load, an answer that does not match) leaves the server as
+it was, NAME serving the previous champion, and is reported: the run summary and a `serving` artifact say "serving
+not updated" and why; the version is published all the same. A NAME that already serves the champion's folder is
+left alone, so a run that promoted nothing changes nothing, and a restarted server gets the champion back on the
+next run. The API key comes from the environment (VLLM_API_KEY, as vLLM's server reads it), never from a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.config import SERVE_API_KEY_ENV, ServeArgs
+from tasks.log import logger
+from tasks.on_disk.parquet_dataset import split_prompt
+from tasks.registry import store as registry
+from tasks.reporting import artifacts
+
+NOT_UPDATED = "not updated"
+
+
+def normalize(text: str) -> str:
+    """As evaluate_adapter's exact match compares answers: whitespace runs as one space, none at the ends."""
+    return " ".join(text.split())
+
+
+class ServingError(Exception):
+    """The server could not be brought to serve the champion; the message says why and what to do."""
+
+
+def serve_champion(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any] | None:
+    """Make serve.url's vLLM server serve the registry's champion (see the module docstring): a task run of the flow
+    that calls it; None without a URL, and then no task run either (a run without a server shows its five stages)."""
+    return None if args.url is None else _serve_champion(args, export_name, runs_dir)
+
+
+@task(name="serve_champion", cache_policy=NO_CACHE)  # the server's state is not an input: look every time
+def _serve_champion(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
+    outcome = sync(args, export_name, runs_dir)
+    level = logger().warning if outcome["status"] == NOT_UPDATED else logger().info
+    level("serving: %s", outcome["message"])
+    artifacts.table("serving", [outcome], f"vLLM at {args.url}: {outcome['message']}")
+    return outcome
+
+
+def sync(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
+    """{status: updated | unchanged | not updated, message, name, version, previous}: never raises for what the
+    server or the registry's files do (the version stays published whatever happens here)."""
+    name = args.adapter_name or export_name
+    root = registry.registry_dir(runs_dir, export_name)
+    now = registry.current(root)["champion_version"]
+    outcome = {"url": args.url, "name": name, "version": now, "previous": None}
+    if now is None:
+        return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: registry {export_name} has no "
+                f"champion at {root}"}
+    server, served = Server(str(args.url), args.timeout_s), None
+    try:
+        served = server.adapters()
+        outcome["previous"] = _version_of(served.get(name))
+        if served.get(name) == str(root / now):
+            return {**outcome, "status": "unchanged", "message": f"{name} already serves {now}"}
+        checked = switch(server, name, root, now, args.tolerance, served)
+    except ServingError as exc:
+        kept = ("whatever the server serves is unchanged" if served is None else
+                f"{name} still serves {outcome['previous']}" if outcome["previous"] else f"{name} is not served yet")
+        return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: {exc}; {kept}"}
+    finally:
+        server.close()
+    return {**outcome, "status": "updated", "message": f"{name} now serves {now} ({checked})"}
+
+
+def switch(server: Server, name: str, root: Path, version: str, tolerance: float, served: dict[str, str]) -> str:
+    """Load `version` as NAME-vNNNN, check it, point NAME at it, unload the previous NAME-v*; how it was checked."""
+    path, versioned = str(root / version), f"{name}-{version}"
+    prompt, expected, max_tokens, decode = check_material(root, version)
+    if served.get(versioned) not in (None, path):  # loaded from another folder (a moved runs_dir)
+        server.unload(versioned)
+    if served.get(versioned) != path:
+        server.load(versioned, path)
+    answer = server.answer(versioned, prompt, max_tokens)
+    agrees, how = agreement(answer, expected, decode, tolerance)
+    if not agrees:
+        server.unload(versioned)
+        raise ServingError(f"{versioned} does not answer as {version}'s evaluation did: {how}. Is the server's base "
+                           f"model the one {version} was trained on (its adapter_config.json names it)?")
+    previous = served.get(name)
+    if previous is not None:
+        server.unload(name)
+    try:
+        server.load(name, path)
+    except ServingError as exc:
+        if previous is not None:  # put the old champion back before saying so
+            server.load(name, previous)
+        raise ServingError(f"{name} could not be pointed at {version} ({exc}); it serves {previous} again") from None
+    if server.answer(name, prompt, max_tokens)["ids"] != answer["ids"]:
+        server.unload(name)
+        if previous is not None:
+            server.load(name, previous)
+        raise ServingError(f"{name} answered otherwise than {versioned} although both are {path}, so it was put "
+                           "back")
+    for other in served:  # the previous champion, and versions a failed run left loaded
+        if other != versioned and re.fullmatch(re.escape(name) + r"-v\d{4,}", other):
+            server.unload(other)
+    return how
+
+
+def _version_of(path: str | None) -> str | None:
+    """The vNNNN a served folder is, for the messages."""
+    return Path(path).name if path else None
+
+
+def check_material(root: Path, version: str) -> tuple[list[int], str, int, Any]:
+    """From `version`'s own evaluation: one held-out prompt's token ids, the tuned answer recorded for it, the most
+    new tokens evaluation allowed, and a decoder of token ids (the version's tokenizer). The prompt is the first whose
+    tuned answer differs from the base model's, so that a server that applies no adapter cannot pass."""
+    record = registry.version_record(root, version)
+    if record is None:
+        raise ServingError(f"{root / version} has no {registry.VERSION_FILE}")
+    runs_dir, export_dir = root.parent.parent, registry.source_dir(root, record)
+    try:
+        upstream = json.loads((export_dir / "manifest.json").read_text())["upstream"]
+        eval_dir = _stage_dir(runs_dir, "evaluate_adapter", upstream["evaluate_adapter"])
+        data_dir = _stage_dir(runs_dir, "prepare_data", upstream["prepare_data"])
+        params = json.loads((eval_dir / "manifest.json").read_text())["params"]["eval"]
+        samples = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines() if line]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ServingError(f"{version}'s evaluation cannot be read to check the server against ({exc}); its export "
+                           f"stage folder {export_dir} and the evaluate_adapter and prepare_data folders it names "
+                           "must still be under runs_dir") from None
+    if not samples:
+        raise ServingError(f"{version}'s evaluation holds no greedy answer to check the server against (it ran "
+                           "with eval.generation_samples=0, or on data without a prompt/answer split)")
+    pick = next((i for i, s in enumerate(samples) if normalize(s["tuned_output"]) != normalize(s["base_output"])), 0)
+    prompt = _held_out_prompt(data_dir / "eval.parquet", params.get("max_samples"), pick)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root / version)
+    except (OSError, ValueError) as exc:
+        raise ServingError(f"the tokenizer in {root / version} does not load ({exc})") from None
+    return prompt, samples[pick]["tuned_output"], params["max_new_tokens"], tokenizer.decode
+
+
+def _stage_dir(runs_dir: Path, stage: str, upstream: dict[str, str]) -> Path:
+    """An upstream stage folder: under this runs_dir by its key (a moved runs_dir), else where it was recorded."""
+    here = runs_dir / stage / upstream["key"]
+    return here if here.is_dir() else Path(upstream["dir"])
+
+
+def _held_out_prompt(eval_parquet: Path, max_samples: int | None, index: int) -> list[int]:
+    """The token ids of evaluation's `index`-th greedy prompt: as evaluate_adapter picks them, the examples with a
+    masked prompt among the first eval.max_samples, in order."""
+    from tasks.on_disk.parquet_dataset import ParquetExamples
+
+    examples = ParquetExamples(eval_parquet)
+    count = len(examples) if max_samples is None else min(max_samples, len(examples))
+    found = (pair[0] for pair in (split_prompt(**examples[i]) for i in range(count)) if pair is not None)
+    prompt = next((p for i, p in enumerate(found) if i == index), None)
+    if prompt is None:
+        raise ServingError(f"{eval_parquet} no longer holds the prompt its evaluation answered")
+    return prompt
+
+
+def agreement(answer: dict[str, Any], expected: str, decode: Any, tolerance: float) -> tuple[bool, str]:
+    """(agrees, how): the served greedy answer equals the expected one (whitespace aside), or parts from it at a near
+    tie: where they part, the expected continuation is the server's runner-up within `tolerance` nats of its choice.
+
+    Past that token the two answers go on from different text, so nothing after it is compared."""
+    ids, tops, want = answer["ids"], answer["top"], normalize(expected)
+    if normalize(decode(ids, skip_special_tokens=True)) == want:
+        return True, "its greedy answer equals the evaluated one"
+
+    def on_track(tokens: list[int]) -> bool:
+        return want.startswith(normalize(decode(tokens, skip_special_tokens=True)))
+
+    parted = next((i for i in range(len(ids)) if not on_track(ids[: i + 1])), None)
+    if parted is None:  # a prefix of the expected answer: the server stopped early (end of sequence) or ran out
+        if answer["finish"] != "stop":
+            return True, "its greedy answer agrees with the evaluated one as far as it goes"
+        parted = len(ids) - 1
+    chosen = tops[parted].get(ids[parted], 0.0)
+    runners = [(chosen - logprob, token) for token, logprob in tops[parted].items() if token != ids[parted]]
+    for margin, token in sorted(runners):
+        text = normalize(decode([*ids[:parted], token], skip_special_tokens=True))
+        if margin <= tolerance and (want.startswith(text) or text == want):
+            return True, (f"its greedy answer parts from the evaluated one at token {parted}, where the evaluated "
+                          f"continuation was its runner-up by {margin:.3f} nats (serve.tolerance {tolerance})")
+    return False, (f"it answered {decode(ids, skip_special_tokens=True)!r} where the evaluation answered "
+                   f"{expected!r}; they part at token {parted}, where the evaluated continuation is not within "
+                   f"serve.tolerance={tolerance} nats of the server's choice")
+
+
+class Server:
+    """The few calls of vLLM's OpenAI-compatible server that serving needs, each one bounded in time."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        import httpx
+
+        key = os.environ.get(SERVE_API_KEY_ENV)
+        self.url = url
+        self.client = httpx.Client(base_url=url, timeout=timeout,
+                                   headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    def close(self) -> None:
+        self.client.close()
+
+    def adapters(self) -> dict[str, str]:
+        """{served LoRA name: its folder} (the base model, which has no parent, left out)."""
+        models = _parsed(self._call("GET", "/v1/models"), lambda body: body["data"])
+        return {m["id"]: m["root"] for m in models if m.get("parent")}
+
+    def load(self, name: str, path: str) -> None:
+        self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload(self, name: str) -> None:
+        self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def answer(self, name: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        """The greedy answer to `prompt` (token ids): its ids, the two likeliest tokens' log-probabilities at each
+        step, and why it ended (stop: end of sequence; length: max_tokens)."""
+        body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
+                "return_tokens_as_token_ids": True}
+        def read(body: dict[str, Any]) -> dict[str, Any]:
+            choice = body["choices"][0]
+            return {"ids": [_token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
+                    "top": [{_token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
+
+        return _parsed(self._call("POST", "/v1/completions", body), read)
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        try:
+            response = self.client.request(method, path, json=body)
+        except httpx.TimeoutException:
+            raise ServingError(f"the vLLM server at {self.url} did not answer {path} within "
+                               f"{self.client.timeout.read} s (serve.timeout_s)") from None
+        except httpx.HTTPError as exc:
+            raise ServingError(f"the vLLM server at {self.url} cannot be reached ({exc}); is it running?") from None
+        if response.status_code == 401:
+            raise ServingError(f"the vLLM server at {self.url} refused the API key: set {SERVE_API_KEY_ENV} to the "
+                               "key it was started with (--api-key or its own VLLM_API_KEY)")
+        # FastAPI's own 404 for a route that is not there (vLLM's is {"error": ...})
+        if response.status_code == 404 and "lora_adapter" in path and '"detail":"Not Found"' in response.text:
+            raise ServingError(f"the vLLM server at {self.url} does not load adapters at run time: start it with "
+                               "--enable-lora and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        if response.status_code != 200:
+            raise ServingError(f"the vLLM server at {self.url} answered {method} {path} with {response.status_code}: "
+                               f"{_error_text(response)}")
+        return response
+
+
+def _parsed(response: Any, read: Any) -> Any:
+    """read(the response's JSON); a body of another shape is a ServingError (not vLLM's OpenAI-compatible server?)."""
+    try:
+        return read(response.json())
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise ServingError(f"{response.request.url} answered {response.text[:200]!r}, not what vLLM's "
+                           "OpenAI-compatible server answers: is serve.url a vLLM server?") from None
+
+
+def _token(text: str) -> int:
+    """A token id as vLLM writes it with return_tokens_as_token_ids ("token_id:123")."""
+    return int(text.removeprefix("token_id:"))
+
+
+def _error_text(response: Any) -> str:
+    """vLLM's error message ({"error": {"message": ...}}), else the body's start."""
+    try:
+        return str(response.json()["error"]["message"])[:500]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]

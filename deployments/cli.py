@@ -3,14 +3,14 @@
     qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
     qlora-pipeline sweep --grid GRID.yaml [--config FILE.yaml] [--preset NAME] [--set ...] [--json]
-    qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
+    qlora-pipeline start DEPLOYMENT [--set ...] [--watch] [--host H]  # a deployment run (--host: pinned to host H)
     qlora-pipeline presets                          # each preset's one-line description
     qlora-pipeline --version                        # this checkout, and whether its libraries are the tested ones
     qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
     qlora-pipeline promote NAME VERSION [--config FILE.yaml] [--set serve.url=URL ...]  # a rollback; serves it too
-    qlora-pipeline setup [--gpus N] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
+    qlora-pipeline setup [--gpus N] [--host H] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
-    qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
+    qlora-pipeline worker [--pool qlora-process] [--host H]  # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "start":
             cmd.add_argument("deployment", help="deployment name, e.g. nightly or embedded-default")
             cmd.add_argument("--watch", action="store_true", help="follow the run: states and artifact contents")
+            cmd.add_argument("--host", help="pin the run to this GPU host (its work queue); default: the first host "
+                             "with a free GPU")
         cmd.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
         cmd.add_argument("--preset", help="a preset from data/presets (see `qlora-pipeline presets`)")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -70,13 +72,17 @@ def _parser() -> argparse.ArgumentParser:
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
     setup.add_argument("--gpus", type=int, help="GPUs of the worker for the GPU pool (default: those visible here, "
                        "CUDA_VISIBLE_DEVICES honoured; 0: one slot, one training at a time)")
+    setup.add_argument("--host", help="this GPU host's name, for a pool per host under one server (default: "
+                       "$QLORA_HOST; none: the single host's pool)")
     deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
     deploy.add_argument("--git", metavar="URL", help="flow runs clone this repository instead of running in the "
                         "worker's checkout (the worker's directory)")
     deploy.add_argument("--branch", help="with --git: the branch or tag to clone")
     worker = sub.add_parser("worker", help="start a Prefect worker that runs flows in this checkout")
     worker.add_argument("--pool", default="qlora-process", help="work pool (default: qlora-process)")
-    worker.add_argument("--limit", help="most flow runs at a time")
+    worker.add_argument("--limit", help="most flow runs at a time (with a host: its GPUs)")
+    worker.add_argument("--host", help="this GPU host's name (default: $QLORA_HOST): the worker of that host's pool "
+                        "and work queue")
     serve = sub.add_parser("serve", help="serve the flow in this process, with its nightly schedule")
     serve.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
     serve.add_argument("--preset", help="a preset from data/presets")
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     # machine need longer (they died at 20 s: "Timed out while attempting to connect to ephemeral ...")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_S))
     args = _parser().parse_args(argv)
+    if (host := _host(args)) is not None:
+        return host
     if args.command == "worker":
         from deployments import setup
 
@@ -154,10 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "promote":
         return _promote(config, args.name, args.version)
     if args.command == "start":
-        return _start_deployment(args.deployment, config, args.watch)
+        return _start_deployment(args.deployment, config, args.watch, args.host)
     if args.command == "sweep":
         return _sweep(config, args.grid, args.json)
     return _run(config, as_json=args.json)
+
+
+def _host(args: argparse.Namespace) -> int | None:
+    """`--host NAME` (setup, worker, start) checked; for setup and worker it becomes this process's QLORA_HOST,
+    which the worker passes on to its flow runs. An exit status where the name cannot be used, else None."""
+    from tasks.pool.hosts import HOST_VARIABLE, host_problem
+
+    given = getattr(args, "host", None)
+    name = given if given is not None else (os.environ.get(HOST_VARIABLE, "").strip() or None)
+    if args.command == "start" and given is None:
+        return None  # the run's host is the worker's, not this terminal's
+    if name is not None and (problem := host_problem(name)):
+        return _user_error(problem.replace(f"{HOST_VARIABLE}=", "--host " if given is not None else
+                                           f"{HOST_VARIABLE}="))
+    if given is not None and args.command in ("setup", "worker"):
+        os.environ[HOST_VARIABLE] = given
+    return None
 
 
 def _presets() -> int:
@@ -201,14 +226,20 @@ def _serve(config: Any, cron: str, timezone: str) -> int:
     return 0
 
 
-def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
+def _start_deployment(deployment: str, config: Any, follow: bool, host: str | None = None) -> int:
     from prefect.utilities.urls import url_for
 
     from deployments.watch import start, watch
+    from tasks.errors import UserError
 
     # only what was set: defaults (paths in the checkout among them) are the worker's own
-    run = start(deployment, config.model_dump(mode="json", exclude_unset=True))
+    try:
+        run = start(deployment, config.model_dump(mode="json", exclude_unset=True), host)
+    except UserError as exc:
+        return _user_error(str(exc))
     print(f"started flow run {run.name} ({run.id}): {url_for(run, url_type='ui') or ''}".rstrip(": "))
+    if run.state is not None and run.state.message:
+        print(run.state.message)
     if not follow:
         return 0
     return 0 if watch(run.id) == "COMPLETED" else 1

@@ -1,0 +1,182 @@
+"""Several GPU hosts under one Prefect server (tasks/pool/hosts.py): a real `prefect server start`, two real process
+workers started by `qlora-pipeline worker --host`, each with two simulated GPUs (CUDA_VISIBLE_DEVICES=0,1 on this
+CPU machine, as in tests/test_gpu_pool.py), and real train_adapter runs (tests/host_training.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.config import PROJECT_ROOT
+from tasks.on_disk.manifest import read_manifest
+from tasks.pool.gpus import WAITING_STATE
+from tests.conftest import cli_env, free_port, start_prefect_server, stop_group, wait_for_server
+
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _qlora(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], env=env, cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _limits() -> dict[str, Any]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return {limit.name: limit for limit in client.read_global_concurrency_limits(limit=200)}
+
+
+def test_each_host_has_its_own_limits_and_a_single_host_keeps_its_names(prefect_env: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.setup import ensure_gpu_limit
+
+    before = {name: limit.limit for name, limit in _limits().items()}
+    monkeypatch.setenv("QLORA_HOST", "gpu-a")
+    said = ensure_gpu_limit(2)
+    assert said.startswith("host 'gpu-a' (QLORA_HOST): GPU pool for 2 GPU(s): 'qlora-gpu@gpu-a' 2 slot(s)"), said
+    try:
+        names = set(_limits())
+        assert {"qlora-gpu@gpu-a", "qlora-gpu@gpu-a-0", "qlora-gpu@gpu-a-1", "qlora-gpu@gpu-a-placement",
+                "qlora-cpu@gpu-a"} <= names
+        resized = ensure_gpu_limit(1)
+        assert resized.count("deleted") == 1 and "deleted 'qlora-gpu@gpu-a-1'" in resized, resized
+        assert "qlora-gpu@gpu-a-1" not in _limits()
+        # the unnamed single host's pool is as it was
+        assert {n: v for n, v in ((n, lim.limit) for n, lim in _limits().items()) if "@" not in n} == before
+    finally:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            for name in _limits():
+                if name.endswith("@gpu-a") or "@gpu-a-" in name:
+                    client.delete_global_concurrency_limit_by_name(name)
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, stages: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A server, `setup` and a worker per host (a, b), the host-training flow deployed; all stopped after."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.host_training import host_training
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    base = {**cli_env(tmp_path / "client"), "PREFECT_API_URL": url, "PYTHONPATH": str(PROJECT_ROOT),
+            "CUDA_VISIBLE_DEVICES": "0,1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    base.pop("QLORA_CPU_THREADS", None)
+    base.pop("OMP_NUM_THREADS", None)
+    server = start_prefect_server(tmp_path / "prefect", port)
+    workers: list[subprocess.Popen] = []
+    try:
+        wait_for_server(port)
+        for host in ("a", "b"):
+            done = _qlora(["setup", "--gpus", "2", "--host", host], base)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert f"'qlora-gpu@{host}' 2 slot(s)" in done.stdout, done.stdout
+        with temporary_settings({PREFECT_API_URL: url}):
+            host_training.from_source(str(PROJECT_ROOT), "tests/host_training.py:host_training").deploy(
+                name="hosts", work_pool_name="qlora-process", print_next_steps=False)
+            for host in ("a", "b"):
+                log = (tmp_path / f"worker-{host}.log").open("w")
+                workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "deployments.cli", "worker", "--host", host], env=base, cwd=tmp_path,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            yield {"url": url, "logs": tmp_path, "runs": tmp_path / "runs", **stages}
+    finally:
+        for proc in workers:
+            stop_group(proc)
+        stop_group(server)
+
+
+def _start(seed: int, fixture: dict[str, Any], host: str | None = None) -> Any:
+    """A run of the deployment, placed as `qlora-pipeline start [--host]` places it (deployments/watch.py)."""
+    from prefect import get_client
+
+    from deployments.watch import placement
+
+    params = {"runs_dir": str(fixture["runs"]), "data_dir": fixture["data"], "model_dir": fixture["model"],
+              "seed": seed}
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("host-training/hosts")
+        return client.create_flow_run_from_deployment(dep.id, parameters=params, **placement(client, dep, host))
+
+
+def _run(run_id: Any) -> Any:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id)
+
+
+def _states(run_id: Any) -> list[str]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return [s.name for s in client.read_flow_run_states(run_id)]
+
+
+def _log(run_id: Any) -> str:
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return "\n".join(r.message for r in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))))
+
+
+def _wait(condition: Any, timeout: float, why: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.5)
+
+
+@pytest.mark.slow  # a server, two workers, five short trainings
+def test_four_runs_train_at_once_on_two_hosts_and_a_pinned_fifth_waits(two_hosts: dict[str, Any]) -> None:
+    """Four runs started at once train at the same time, on GPUs 0 and 1 of each host; each host's CPU share counts
+    its own runs; a fifth, pinned to host b, waits as "Waiting for GPU" (saying so) and trains on b once b frees."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+        four = [_start(seed, two_hosts).id for seed in (1, 2, 3, 4)]
+        _wait(lambda: all(_run(r).state.type.value in ("RUNNING", *FINAL) for r in four), 240,
+              "the four runs did not all start: " + (two_hosts["logs"] / "worker-a.log").read_text()[-2000:])
+        fifth = _start(5, two_hosts, host="b")
+        assert fifth.state.name == WAITING_STATE and "pinned to host 'b'" in fifth.state.message
+        time.sleep(3)
+        assert _run(fifth.id).state.name == WAITING_STATE  # both of b's GPUs are taken: its worker leaves it
+        _wait(lambda: all(_run(r).state.type.value in FINAL for r in [*four, fifth.id]), 400, "runs did not end")
+        runs = {r: _run(r) for r in [*four, fifth.id]}
+        assert all(r.state.type.value == "COMPLETED" for r in runs.values()), [r.state for r in runs.values()]
+        logs = {r: _log(r) for r in runs}
+        states = {r: _states(r) for r in runs}
+    folders = list((two_hosts["runs"] / "train_adapter").glob("*/manifest.json"))
+    by_run = {str(m.run_attempt).split(":")[0]: m for m in map(read_manifest, (f.parent for f in folders))}
+    manifests = {r: by_run[str(r)] for r in runs}
+
+    placed = sorted((manifests[r].metrics.host, *manifests[r].metrics.devices) for r in four)
+    assert placed == [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")], placed
+    starts = [manifests[r].started_at for r in four]
+    ends = [manifests[r].started_at + manifests[r].seconds for r in four]
+    assert max(starts) < min(ends), (starts, ends)  # all four trained at the same time
+    # queued as "Waiting for GPU" until a host took them, and never once running
+    assert all(s[0] == WAITING_STATE and WAITING_STATE not in s[s.index("Running"):] for s in states.values()), states
+    for r in four:  # the CPU share counted the runs of the run's own host: at most its two
+        host = manifests[r].metrics.host
+        assert f"active slots of 'qlora-cpu@{host}'" in logs[r], logs[r][-2000:]
+        counted = [int(line.split(" run(s) computing")[0].rsplit(" ", 1)[-1]) for line in logs[r].splitlines()
+                   if " run(s) computing on " in line]
+        assert counted and max(counted) <= 2, counted
+
+    last = manifests[fifth.id]
+    assert last.metrics.host == "b"
+    assert WAITING_STATE in states[fifth.id]
+    b_ends = [manifests[r].started_at + manifests[r].seconds for r in four if manifests[r].metrics.host == "b"]
+    assert last.started_at >= min(b_ends) - 1, (last.started_at, b_ends)  # it started once a GPU of b was free
+

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
     setup.add_argument("--gpus", type=int, help="GPUs of the worker for the GPU pool (default: those visible here, "
                        "CUDA_VISIBLE_DEVICES honoured; 0: one slot, one training at a time)")
+    setup.add_argument("--runs-dir", type=Path, default=None, help="the runs_dir the runs share, checked for what "
+                       "several hosts need of it: atomic renames, file locks (default: the default config's)")
     setup.add_argument("--host", help="this GPU host's name, for a pool per host under one server (default: "
                        "$QLORA_HOST; none: the single host's pool)")
     deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
@@ -211,7 +213,26 @@ def _setup(args: argparse.Namespace) -> int:
     else:
         print("no --notify-url: failure automation not applied (the flow's on_failure hook still leaves a "
               "summary artifact on every failed run)")
-    return 0
+    return _check_storage(args.runs_dir)
+
+
+def _check_storage(runs_dir: Path | None) -> int:
+    """setup's last step: runs_dir's filesystem against what hosts sharing it need (tasks/on_disk/shared_storage.py)."""
+    from tasks.config import RunConfig
+    from tasks.on_disk.shared_storage import check_shared_storage
+
+    if runs_dir is None and not RunConfig().runs_dir.is_dir():  # setup creates no folder it was not asked for
+        print(f"runs_dir not checked: no {RunConfig().runs_dir} here; `setup --runs-dir DIR` checks the runs_dir "
+              "the runs share")
+        return 0
+    runs_dir = runs_dir or RunConfig().runs_dir
+    checked, problems = check_shared_storage(runs_dir)
+    if not problems:
+        print(f"runs_dir {runs_dir}: {', '.join(checked)}: fit to be shared by several hosts (each host's own "
+              "`setup` checks its mount)")
+        return 0
+    return _user_error(f"runs_dir {runs_dir} cannot be shared safely by several hosts: {'; '.join(problems)}. "
+                       "The rest of the set-up is done; a single host may still use it.")
 
 
 def _serve(config: Any, cron: str, timezone: str) -> int:

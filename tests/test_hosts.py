@@ -77,8 +77,9 @@ def two_hosts(tmp_path: Path, stages: dict[str, Any]) -> Iterator[dict[str, Any]
     try:
         wait_for_server(port)
         for host in ("a", "b"):
-            done = _qlora(["setup", "--gpus", "2", "--host", host], base)
+            done = _qlora(["setup", "--gpus", "2", "--host", host, "--runs-dir", str(tmp_path / "runs")], base)
             assert done.returncode == 0, done.stderr[-3000:]
+            assert "atomic rename, a file lock another process sees, filesystem" in done.stdout, done.stdout
             assert f"'qlora-gpu@{host}' 2 slot(s)" in done.stdout, done.stdout
         with temporary_settings({PREFECT_API_URL: url}):
             host_training.from_source(str(PROJECT_ROOT), "tests/host_training.py:host_training").deploy(

@@ -29,6 +29,8 @@ def start(deployment: str, config: dict[str, Any], host: str | None = None) -> A
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
+    from tasks.pool.hosts import placement
+
     names = [deployment] if "/" in deployment else [f"{flow}/{deployment}" for flow in FLOWS]
     with get_client(sync_client=True) as client:
         for name in names:
@@ -41,38 +43,9 @@ def start(deployment: str, config: dict[str, Any], host: str | None = None) -> A
         # Prefect merges run parameters into the deployment's at the top level only: {"config": {...}} alone would
         # replace the deployment's whole config (its data, method, registry) with the defaults
         merged = overridden(dep.parameters.get("config") or {}, config)
-        placed = placement(client, dep, host)
+        placed = placement(client, dep.work_pool_name, host)
         return client.create_flow_run_from_deployment(dep.id, parameters={**dep.parameters, "config": merged},
                                                       **placed)
-
-
-def placement(client: Any, deployment: Any, host: str | None) -> dict[str, Any]:
-    """Where a new run of `deployment` waits, as create_flow_run_from_deployment's arguments: on `host`'s work
-    queue when pinned, and, where the work pool has hosts (their queues), in a Scheduled state named "Waiting for
-    GPU" that says for which host: the workers take it as any scheduled run (they select by state type) once a
-    host has a free GPU, and Prefect does not rename it Late meanwhile. {} on a single host: as before."""
-    from prefect.states import Scheduled
-
-    from tasks.errors import UserError
-    from tasks.pool.gpus import WAITING_STATE
-    from tasks.pool.hosts import HOST_QUEUE_PREFIX, host_queue
-
-    pool = deployment.work_pool_name
-    hosts = sorted(q.name.removeprefix(HOST_QUEUE_PREFIX) for q in client.read_work_queues(work_pool_name=pool)
-                   if q.name.startswith(HOST_QUEUE_PREFIX)) if pool else []
-    if host is not None and host not in hosts:
-        known = ", ".join(hosts) or "none"
-        raise UserError(f"--host {host}: work pool {pool!r} has no host of that name (hosts: {known}). Run "
-                        f"`qlora-pipeline setup --host {host}` and `qlora-pipeline worker --host {host}` on that "
-                        "host, or give one of the hosts listed.")
-    if not hosts:
-        return {}
-    if host is not None:
-        why = f"pinned to host {host!r}: waits until its worker has a free GPU (work queue {host_queue(host)!r})"
-        return {"work_queue_name": host_queue(host), "tags": [f"host:{host}"],
-                "state": Scheduled(name=WAITING_STATE, message=why)}
-    why = f"waits for a host with a free GPU (hosts: {', '.join(hosts)}); the first one free takes it"
-    return {"state": Scheduled(name=WAITING_STATE, message=why)}
 
 
 def overridden(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

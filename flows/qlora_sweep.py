@@ -26,7 +26,6 @@ from tasks.reporting.run_record import record_run
 from tasks.reporting.sweep import rank, report
 from tasks.sweep.grid import CandidateList, expand
 from tasks.tested_versions import warn_untested_versions
-from tasks.train_adapter.stage import train_adapter
 
 
 # The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
@@ -70,8 +69,10 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    with sweep_runner.training_runner() as runner:  # each candidate's task runs named for it (sweep_runner.named)
-        trained = [runner.submit(sweep_runner.named(train_adapter, c), {**c.sections(), "runs_dir": runs,
+    hosts = sweep_runner.fleet_hosts()  # several GPU hosts: each candidate trains on the first with a free GPU
+    training = sweep_runner.training_task(hosts)
+    with sweep_runner.training_runner(hosts) as runner:  # each candidate's task runs named for it (sweep_runner.named)
+        trained = [runner.submit(sweep_runner.named(training, c), {**c.sections(), "runs_dir": runs,
                                                                         "data_dir": data_dir, "model_dir": model_dir,
                                                                         "track": track})
                    for c in plan.candidates]

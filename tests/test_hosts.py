@@ -59,13 +59,16 @@ def test_each_host_has_its_own_limits_and_a_single_host_keeps_its_names(prefect_
                     client.delete_global_concurrency_limit_by_name(name)
 
 
-@pytest.fixture
-def two_hosts(tmp_path: Path, stages: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A server, `setup` and a worker per host (a, b), the host-training flow deployed; all stopped after."""
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory: pytest.TempPathFactory, stages: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A server, `setup` and a worker per host (a, b), the host-training flow and the sweep's candidate training
+    deployed; all stopped after."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flows.train_candidate import train_candidate
     from tests.host_training import host_training
 
+    tmp_path = tmp_path_factory.mktemp("hosts")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     base = {**cli_env(tmp_path / "client"), "PREFECT_API_URL": url, "PYTHONPATH": str(PROJECT_ROOT),
@@ -84,6 +87,8 @@ def two_hosts(tmp_path: Path, stages: dict[str, Any]) -> Iterator[dict[str, Any]
         with temporary_settings({PREFECT_API_URL: url}):
             host_training.from_source(str(PROJECT_ROOT), "tests/host_training.py:host_training").deploy(
                 name="hosts", work_pool_name="qlora-process", print_next_steps=False)
+            train_candidate.from_source(str(PROJECT_ROOT), "flows/train_candidate.py:train_candidate").deploy(
+                name="candidate", work_pool_name="qlora-process", print_next_steps=False)
             for host in ("a", "b"):
                 log = (tmp_path / f"worker-{host}.log").open("w")
                 workers.append(subprocess.Popen(
@@ -100,13 +105,14 @@ def _start(seed: int, fixture: dict[str, Any], host: str | None = None) -> Any:
     """A run of the deployment, placed as `qlora-pipeline start [--host]` places it (deployments/watch.py)."""
     from prefect import get_client
 
-    from deployments.watch import placement
+    from tasks.pool.hosts import placement
 
     params = {"runs_dir": str(fixture["runs"]), "data_dir": fixture["data"], "model_dir": fixture["model"],
               "seed": seed}
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("host-training/hosts")
-        return client.create_flow_run_from_deployment(dep.id, parameters=params, **placement(client, dep, host))
+        placed = placement(client, dep.work_pool_name, host)
+        return client.create_flow_run_from_deployment(dep.id, parameters=params, **placed)
 
 
 def _run(run_id: Any) -> Any:
@@ -181,3 +187,30 @@ def test_four_runs_train_at_once_on_two_hosts_and_a_pinned_fifth_waits(two_hosts
     b_ends = [manifests[r].started_at + manifests[r].seconds for r in four if manifests[r].metrics.host == "b"]
     assert last.started_at >= min(b_ends) - 1, (last.started_at, b_ends)  # it started once a GPU of b was free
 
+
+
+@pytest.mark.slow  # a sweep whose four candidates train on the two hosts' workers
+def test_a_sweeps_candidates_train_on_every_host_with_free_gpus(two_hosts: dict[str, Any], small_data: Path,
+                                                               tmp_path: Path) -> None:
+    """The sweep's flow runs here; each candidate's training is a flow run that the first host with a free GPU
+    takes (flows/sweep_runner.py train_on_fleet): the four train at once, two on each host, on GPUs 0 and 1."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.qlora_sweep import qlora_sweep
+    from tasks.config import load_config
+    from tests.conftest import small_overrides
+
+    base = load_config(None, small_overrides(small_data, tmp_path / "runs", **{"train.max_steps": 3,
+                                                                               "eval.generation_samples": 2}))
+    grid = {"train.learning_rate": [1e-3, 2e-3, 3e-3, 4e-3]}
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+        state = qlora_sweep(config=base, grid=grid, return_state=True)
+    assert state.is_completed(), state.message
+    candidates = state.result()["candidates"]
+    manifests = [read_manifest(Path(c["adapter_dir"])) for c in candidates]
+    placed = sorted((m.metrics.host, *m.metrics.devices) for m in manifests)
+    assert placed == [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")], placed
+    starts = [m.started_at for m in manifests]
+    ends = [m.started_at + m.seconds for m in manifests]
+    assert max(starts) < min(ends), (starts, ends)  # all four trained at the same time
+    assert all(c["status"] == "finished" and c["metrics"]["tuned_eval_loss"] for c in candidates), candidates

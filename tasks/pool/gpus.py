@@ -47,12 +47,11 @@ from uuid import UUID
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 from tasks.pool.cpus import host_cores
-from tasks.pool.hosts import on_host, this_host
+from tasks.pool.hosts import WAITING_STATE, on_host, this_host
 from tasks.pool.leases import LEASE_SECONDS, check_server_leases, hold, uses_server
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 PLACEMENT_LIMIT = "qlora-gpu-placement"
-WAITING_STATE = "Waiting for GPU"
 
 
 def gpu_limit() -> str:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 HOST_VARIABLE = "QLORA_HOST"
 SHARED_QUEUE = "default"  # the deployments' queue (prefect.yaml sets none): every host's worker polls it
 HOST_QUEUE_PREFIX = "host-"
+WAITING_STATE = "Waiting for GPU"  # a run's state while it waits for GPUs: of its host's pool, or for a host
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
@@ -44,3 +46,36 @@ def on_host(limit: str, host: str | None) -> str:
 def host_queue(host: str) -> str:
     """The work queue that only `host`'s worker polls (runs pinned to that host)."""
     return HOST_QUEUE_PREFIX + host
+
+
+def hosts_of(client: Any, pool: str | None) -> list[str]:
+    """The hosts of work pool `pool`: those whose queue exists (their `setup` or worker created it)."""
+    if not pool:
+        return []
+    return sorted(q.name.removeprefix(HOST_QUEUE_PREFIX) for q in client.read_work_queues(work_pool_name=pool)
+                  if q.name.startswith(HOST_QUEUE_PREFIX))
+
+
+def placement(client: Any, pool: str | None, host: str | None) -> dict[str, Any]:
+    """Where a new run of a deployment of work pool `pool` waits, as create_flow_run_from_deployment's arguments: on
+    `host`'s work queue when pinned, and, where the pool has hosts, in a Scheduled state named "Waiting for GPU" that
+    says for which host: the workers take it as any scheduled run (they select by state type) once a host has a free
+    GPU, and Prefect does not rename it Late meanwhile. {} on a single host: as before."""
+    from prefect.states import Scheduled
+
+    from tasks.errors import UserError
+
+    hosts = hosts_of(client, pool)
+    if host is not None and host not in hosts:
+        known = ", ".join(hosts) or "none"
+        raise UserError(f"--host {host}: work pool {pool!r} has no host of that name (hosts: {known}). Run "
+                        f"`qlora-pipeline setup --host {host}` and `qlora-pipeline worker --host {host}` on that "
+                        "host, or give one of the hosts listed.")
+    if not hosts:
+        return {}
+    if host is not None:
+        why = f"pinned to host {host!r}: waits until its worker has a free GPU (work queue {host_queue(host)!r})"
+        return {"work_queue_name": host_queue(host), "tags": [f"host:{host}"],
+                "state": Scheduled(name=WAITING_STATE, message=why)}
+    why = f"waits for a host with a free GPU (hosts: {', '.join(hosts)}); the first one free takes it"
+    return {"state": Scheduled(name=WAITING_STATE, message=why)}

@@ -59,6 +59,29 @@ def test_each_host_has_its_own_limits_and_a_single_host_keeps_its_names(prefect_
                     client.delete_global_concurrency_limit_by_name(name)
 
 
+def test_pinning_to_an_unknown_host_or_a_bad_name_is_a_user_error(prefect_env: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect import get_client
+
+    from deployments.setup import ensure_work_pool
+    from tasks.errors import UserError
+    from tasks.pool.hosts import placement
+
+    monkeypatch.setenv("QLORA_HOST", "gpu-a")
+    assert "work queue 'host-gpu-a'" in ensure_work_pool("hosts-test")
+    with get_client(sync_client=True) as client:
+        assert placement(client, "hosts-test", "gpu-a")["work_queue_name"] == "host-gpu-a"
+        assert placement(client, "hosts-test", None)["state"].name == WAITING_STATE
+        assert placement(client, "qlora-process", None) == {}  # a pool without hosts: runs are created as before
+        with pytest.raises(UserError, match=r"--host gpu-c: work pool 'hosts-test' has no host of that name "
+                                            r"\(hosts: gpu-a\)\. Run `qlora-pipeline setup --host gpu-c`"):
+            placement(client, "hosts-test", "gpu-c")
+        client.delete_work_pool("hosts-test")
+    env = {**cli_env(Path(prefect_env)), "QLORA_HOST": "gpu a"}
+    done = _qlora(["setup", "--gpus", "1"], env)  # refused before any server is asked
+    assert done.returncode == 2 and "QLORA_HOST='gpu a' cannot name a GPU host" in " ".join(done.stderr.split())
+
+
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory: pytest.TempPathFactory, stages: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A server, `setup` and a worker per host (a, b), the host-training flow and the sweep's candidate training

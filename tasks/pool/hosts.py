@@ -50,10 +50,15 @@ def host_queue(host: str) -> str:
 
 def hosts_of(client: Any, pool: str | None) -> list[str]:
     """The hosts of work pool `pool`: those whose queue exists (their `setup` or worker created it)."""
+    from prefect.exceptions import ObjectNotFound
+
     if not pool:
         return []
-    return sorted(q.name.removeprefix(HOST_QUEUE_PREFIX) for q in client.read_work_queues(work_pool_name=pool)
-                  if q.name.startswith(HOST_QUEUE_PREFIX))
+    try:
+        queues = client.read_work_queues(work_pool_name=pool)
+    except ObjectNotFound:  # no such pool (yet): no hosts
+        return []
+    return sorted(q.name.removeprefix(HOST_QUEUE_PREFIX) for q in queues if q.name.startswith(HOST_QUEUE_PREFIX))
 
 
 def placement(client: Any, pool: str | None, host: str | None) -> dict[str, Any]:

@@ -364,6 +364,7 @@ def _run(config: Any, as_json: bool) -> int:
     try:
         if uses_server():
             ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
+            _warn_unnamed_host()
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
         with _server():
             summary = _start(qlora_pipeline, config)
@@ -384,6 +385,25 @@ def _run(config: Any, as_json: bool) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+def _warn_unnamed_host() -> None:
+    """Say so where the server has named GPU hosts and this process has no QLORA_HOST: its training takes the
+    unnamed pool, which does not count what the named hosts' runs hold on these same GPUs."""
+    from prefect import get_client
+
+    from deployments.setup import WORK_POOL
+    from tasks.pool.hosts import HOST_VARIABLE, hosts_of, this_host
+
+    if this_host() is not None:
+        return
+    with get_client(sync_client=True) as client:
+        hosts = hosts_of(client, WORK_POOL)
+    if hosts:
+        print(textwrap.fill(
+            f"warning: this server has GPU hosts ({', '.join(hosts)}) but {HOST_VARIABLE} is not set here, so this "
+            f"run takes the unnamed GPU pool, which does not count the runs of those hosts. On one of them, set "
+            f"{HOST_VARIABLE} to its name (as its worker has it).", width=100), file=sys.stderr)
 
 
 def _server() -> Any:
@@ -455,6 +475,7 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
         check_runs_dir(config.runs_dir)
         if uses_server():
             ensure_gpu_limit()
+            _warn_unnamed_host()
         with _server():
             state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
             outcome = state.result(raise_on_failure=False)  # the summary, or what failed it

@@ -59,8 +59,8 @@ def test_each_host_has_its_own_limits_and_a_single_host_keeps_its_names(prefect_
                     client.delete_global_concurrency_limit_by_name(name)
 
 
-def test_pinning_to_an_unknown_host_or_a_bad_name_is_a_user_error(prefect_env: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinning_to_an_unknown_host_or_a_bad_name_is_a_user_error(prefect_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from prefect import get_client
 
     from deployments.setup import ensure_work_pool
@@ -77,6 +77,24 @@ def test_pinning_to_an_unknown_host_or_a_bad_name_is_a_user_error(prefect_env: P
                                             r"\(hosts: gpu-a\)\. Run `qlora-pipeline setup --host gpu-c`"):
             placement(client, "hosts-test", "gpu-c")
         client.delete_work_pool("hosts-test")
+    # a run in a terminal without QLORA_HOST, against a server whose work pool has hosts, is told what it takes
+    from deployments import cli
+
+    made = ensure_work_pool()
+    assert "host-gpu-a" in made
+    monkeypatch.delenv("QLORA_HOST")
+    try:
+        cli._warn_unnamed_host()
+        said = " ".join(capsys.readouterr().err.split())
+        assert "this server has GPU hosts (gpu-a) but QLORA_HOST is not set here" in said, said
+    finally:
+        with get_client(sync_client=True) as client:  # the session server's pool as it was
+            if made.startswith("created work pool"):
+                client.delete_work_pool("qlora-process")
+            else:
+                client.delete_work_queue_by_id(client.read_work_queue_by_name("host-gpu-a", "qlora-process").id)
+    cli._warn_unnamed_host()
+    assert capsys.readouterr().err == ""  # no hosts: nothing to say
     env = {**cli_env(Path(prefect_env)), "QLORA_HOST": "gpu a"}
     done = _qlora(["setup", "--gpus", "1"], env)  # refused before any server is asked
     assert done.returncode == 2 and "QLORA_HOST='gpu a' cannot name a GPU host" in " ".join(done.stderr.split())

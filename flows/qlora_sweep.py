@@ -39,14 +39,16 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
                 grid: dict[str, list[Any]] | None = None, candidates: CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
-    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for
-    it ("train_adapter-c2 (lora.r=8)"), cached by content like any run's, so a re-run reuses every finished
-    candidate. Candidates train at once, one per free GPU, where the GPU pool has several GPUs, and one at a time
-    without one; evaluations go one at a time. With track.backend set, the sweep has a tracked run of its own
-    (MLflow: a parent run, with every candidate's training as a child run) that gets the ranking, the winner and the
-    comparison plot. The ranking is the promotion gate's rule; the winner goes through export_adapter and the
-    registry's gate as any run does, and its verdict is the sweep run's final state message. Artifacts:
-    sweep-comparison (table and plot), sweep-winner (its config), and each candidate's own, named for it.
+    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for it
+    ("train_adapter-c2 (lora.r=8)"), cached by content like any run's, so a re-run reuses every finished candidate.
+    Candidates train at once, one per free GPU, where the GPU pool has several GPUs, and one at a time without one;
+    where the work pool has several GPU hosts, each candidate's training is a flow run that the first host with a
+    free GPU takes (sweep_runner.train_on_fleet). Evaluations go one at a time. With track.backend set, the sweep
+    has a tracked run of its own (MLflow: a parent run, with every candidate's training as a child run) that gets
+    the ranking, the winner and the comparison plot. The ranking is the promotion gate's rule; the winner goes
+    through export_adapter and the registry's gate as any run does, and its verdict is the sweep run's final state
+    message. Artifacts: sweep-comparison (table and plot), sweep-winner (its config), and each candidate's own,
+    named for it.
 
     A failed candidate fails alone: its task run is Failed, the others go on, and the best of those that finished
     is ranked and published. The sweep itself then ends Failed, after publishing, with the failed candidates in

@@ -3,14 +3,14 @@
     qlora-pipeline run [--config FILE.yaml] [--preset NAME] [--set SECTION.FIELD=VALUE ...] [--json]
     qlora-pipeline validate [--config FILE.yaml] [--preset NAME] [--set ...]
     qlora-pipeline sweep --grid GRID.yaml [--config FILE.yaml] [--preset NAME] [--set ...] [--json]
-    qlora-pipeline start DEPLOYMENT [--set ...] [--watch]  # a deployment run; --watch follows states and artifacts
+    qlora-pipeline start DEPLOYMENT [--set ...] [--watch] [--host H]  # a deployment run (--host: pinned to host H)
     qlora-pipeline presets                          # each preset's one-line description
     qlora-pipeline --version                        # this checkout, and whether its libraries are the tested ones
     qlora-pipeline history [--export-name NAME] [--runs-dir DIR]  # the registry's versions, verdicts and losses
     qlora-pipeline promote NAME VERSION [--config FILE.yaml] [--set serve.url=URL ...]  # a rollback; serves it too
-    qlora-pipeline setup [--gpus N] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
+    qlora-pipeline setup [--gpus N] [--host H] [--notify-url URL]  # work pool, GPU pool (N GPUs), failure automation
     qlora-pipeline deploy [--git URL [--branch B]]  # register deployments/prefect.yaml
-    qlora-pipeline worker [--pool qlora-process]    # a worker that runs flow runs in this checkout
+    qlora-pipeline worker [--pool qlora-process] [--host H]  # a worker that runs flow runs in this checkout
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "start":
             cmd.add_argument("deployment", help="deployment name, e.g. nightly or embedded-default")
             cmd.add_argument("--watch", action="store_true", help="follow the run: states and artifact contents")
+            cmd.add_argument("--host", help="pin the run to this GPU host (its work queue); default: the first host "
+                             "with a free GPU")
         cmd.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
         cmd.add_argument("--preset", help="a preset from data/presets (see `qlora-pipeline presets`)")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -70,13 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     setup.add_argument("--notify-url", help="webhook URL to POST to when a flow run fails")
     setup.add_argument("--gpus", type=int, help="GPUs of the worker for the GPU pool (default: those visible here, "
                        "CUDA_VISIBLE_DEVICES honoured; 0: one slot, one training at a time)")
+    setup.add_argument("--runs-dir", type=Path, default=None, help="the runs_dir the runs share, checked for what "
+                       "several hosts need of it: atomic renames, file locks (default: the default config's)")
+    setup.add_argument("--host", help="this GPU host's name, for a pool per host under one server (default: "
+                       "$QLORA_HOST; none: the single host's pool)")
     deploy = sub.add_parser("deploy", help="register the deployments in deployments/prefect.yaml")
     deploy.add_argument("--git", metavar="URL", help="flow runs clone this repository instead of running in the "
                         "worker's checkout (the worker's directory)")
     deploy.add_argument("--branch", help="with --git: the branch or tag to clone")
     worker = sub.add_parser("worker", help="start a Prefect worker that runs flows in this checkout")
     worker.add_argument("--pool", default="qlora-process", help="work pool (default: qlora-process)")
-    worker.add_argument("--limit", help="most flow runs at a time")
+    worker.add_argument("--limit", help="most flow runs at a time (with a host: its GPUs)")
+    worker.add_argument("--host", help="this GPU host's name (default: $QLORA_HOST): the worker of that host's pool "
+                        "and work queue")
     serve = sub.add_parser("serve", help="serve the flow in this process, with its nightly schedule")
     serve.add_argument("--config", type=Path, help="a YAML file mirroring RunConfig")
     serve.add_argument("--preset", help="a preset from data/presets")
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     # machine need longer (they died at 20 s: "Timed out while attempting to connect to ephemeral ...")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_STARTUP_S))
     args = _parser().parse_args(argv)
+    if (host := _host(args)) is not None:
+        return host
     if args.command == "worker":
         from deployments import setup
 
@@ -154,10 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "promote":
         return _promote(config, args.name, args.version)
     if args.command == "start":
-        return _start_deployment(args.deployment, config, args.watch)
+        return _start_deployment(args.deployment, config, args.watch, args.host)
     if args.command == "sweep":
         return _sweep(config, args.grid, args.json)
     return _run(config, as_json=args.json)
+
+
+def _host(args: argparse.Namespace) -> int | None:
+    """`--host NAME` (setup, worker, start) checked; for setup and worker it becomes this process's QLORA_HOST,
+    which the worker passes on to its flow runs. An exit status where the name cannot be used, else None."""
+    from tasks.pool.hosts import HOST_VARIABLE, host_problem
+
+    given = getattr(args, "host", None)
+    name = given if given is not None else (os.environ.get(HOST_VARIABLE, "").strip() or None)
+    if args.command == "start" and given is None:
+        return None  # the run's host is the worker's, not this terminal's
+    if name is not None and (problem := host_problem(name)):
+        return _user_error(problem.replace(f"{HOST_VARIABLE}=", "--host " if given is not None else
+                                           f"{HOST_VARIABLE}="))
+    if given is not None and args.command in ("setup", "worker"):
+        os.environ[HOST_VARIABLE] = given
+    return None
 
 
 def _presets() -> int:
@@ -186,7 +213,26 @@ def _setup(args: argparse.Namespace) -> int:
     else:
         print("no --notify-url: failure automation not applied (the flow's on_failure hook still leaves a "
               "summary artifact on every failed run)")
-    return 0
+    return _check_storage(args.runs_dir)
+
+
+def _check_storage(runs_dir: Path | None) -> int:
+    """setup's last step: runs_dir's filesystem against what hosts sharing it need (tasks/on_disk/shared_storage.py)."""
+    from tasks.config import RunConfig
+    from tasks.on_disk.shared_storage import check_shared_storage
+
+    if runs_dir is None and not RunConfig().runs_dir.is_dir():  # setup creates no folder it was not asked for
+        print(f"runs_dir not checked: no {RunConfig().runs_dir} here; `setup --runs-dir DIR` checks the runs_dir "
+              "the runs share")
+        return 0
+    runs_dir = runs_dir or RunConfig().runs_dir
+    checked, problems = check_shared_storage(runs_dir)
+    if not problems:
+        print(f"runs_dir {runs_dir}: {', '.join(checked)}: fit to be shared by several hosts (each host's own "
+              "`setup` checks its mount)")
+        return 0
+    return _user_error(f"runs_dir {runs_dir} cannot be shared safely by several hosts: {'; '.join(problems)}. "
+                       "The rest of the set-up is done; a single host may still use it.")
 
 
 def _serve(config: Any, cron: str, timezone: str) -> int:
@@ -201,14 +247,20 @@ def _serve(config: Any, cron: str, timezone: str) -> int:
     return 0
 
 
-def _start_deployment(deployment: str, config: Any, follow: bool) -> int:
+def _start_deployment(deployment: str, config: Any, follow: bool, host: str | None = None) -> int:
     from prefect.utilities.urls import url_for
 
     from deployments.watch import start, watch
+    from tasks.errors import UserError
 
     # only what was set: defaults (paths in the checkout among them) are the worker's own
-    run = start(deployment, config.model_dump(mode="json", exclude_unset=True))
+    try:
+        run = start(deployment, config.model_dump(mode="json", exclude_unset=True), host)
+    except UserError as exc:
+        return _user_error(str(exc))
     print(f"started flow run {run.name} ({run.id}): {url_for(run, url_type='ui') or ''}".rstrip(": "))
+    if run.state is not None and run.state.message:
+        print(run.state.message)
     if not follow:
         return 0
     return 0 if watch(run.id) == "COMPLETED" else 1
@@ -312,6 +364,7 @@ def _run(config: Any, as_json: bool) -> int:
     try:
         if uses_server():
             ensure_gpu_limit()  # idempotent; a server set up with `qlora-pipeline setup` already has it
+            _warn_unnamed_host()
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
         with _server():
             summary = _start(qlora_pipeline, config)
@@ -332,6 +385,25 @@ def _run(config: Any, as_json: bool) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+def _warn_unnamed_host() -> None:
+    """Say so where the server has named GPU hosts and this process has no QLORA_HOST: its training takes the
+    unnamed pool, which does not count what the named hosts' runs hold on these same GPUs."""
+    from prefect import get_client
+
+    from deployments.setup import WORK_POOL
+    from tasks.pool.hosts import HOST_VARIABLE, hosts_of, this_host
+
+    if this_host() is not None:
+        return
+    with get_client(sync_client=True) as client:
+        hosts = hosts_of(client, WORK_POOL)
+    if hosts:
+        print(textwrap.fill(
+            f"warning: this server has GPU hosts ({', '.join(hosts)}) but {HOST_VARIABLE} is not set here, so this "
+            f"run takes the unnamed GPU pool, which does not count the runs of those hosts. On one of them, set "
+            f"{HOST_VARIABLE} to its name (as its worker has it).", width=100), file=sys.stderr)
 
 
 def _server() -> Any:
@@ -403,6 +475,7 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
         check_runs_dir(config.runs_dir)
         if uses_server():
             ensure_gpu_limit()
+            _warn_unnamed_host()
         with _server():
             state = qlora_sweep(config=config, grid=grid, candidates=candidates, return_state=True)
             outcome = state.result(raise_on_failure=False)  # the summary, or what failed it

@@ -15,8 +15,9 @@ from typing import Any
 import yaml
 
 from tasks.config import PROJECT_ROOT
-from tasks.pool.cpus import CPU_COUNTER_SLOTS, CPU_LIMIT
-from tasks.pool.gpus import GPU_LIMIT, PLACEMENT_LIMIT, device_limit, visible_gpus
+from tasks.pool.cpus import CPU_COUNTER_SLOTS, cpu_limit
+from tasks.pool.gpus import device_limit, gpu_limit, placement_limit, visible_gpus
+from tasks.pool.hosts import HOST_VARIABLE, SHARED_QUEUE, host_queue, this_host
 from tasks.pool.leases import LEASE_SECONDS, repair_pool
 
 HERE = Path(__file__).resolve().parent
@@ -32,17 +33,19 @@ def ensure_gpu_limit(gpus: int | None = None) -> str:
     `gpus`: size the pool to that many GPUs, resizing an existing one (`setup --gpus N`; `setup` passes the
     worker's visible GPUs). None: create what is missing, sized to this machine's GPUs, and leave an existing pool
     as it is (what `qlora-pipeline run` does before a run: it may run on another machine than the worker).
+    The limits are this host's (QLORA_HOST, tasks/pool/hosts.py): with several hosts, each runs `setup` itself.
     """
     from prefect import get_client
 
+    gpu = gpu_limit()
     with get_client(sync_client=True) as client:
         existing = {limit.name: limit for limit in client.read_global_concurrency_limits(limit=200)}
-        if gpus is None and GPU_LIMIT in existing:
-            gpus = sum(device_limit(i) in existing for i in range(existing[GPU_LIMIT].limit))
+        if gpus is None and gpu in existing:
+            gpus = sum(device_limit(i) in existing for i in range(existing[gpu].limit))
         gpus = len(visible_gpus()) if gpus is None else gpus
-        wanted = {GPU_LIMIT: max(gpus, 1), CPU_LIMIT: CPU_COUNTER_SLOTS}  # 0 GPUs: one slot, one training at a time
+        wanted = {gpu: max(gpus, 1), cpu_limit(): CPU_COUNTER_SLOTS}  # 0 GPUs: one slot, one training at a time
         if gpus:
-            wanted |= {PLACEMENT_LIMIT: 1, **{device_limit(i): 1 for i in range(gpus)}}
+            wanted |= {placement_limit(): 1, **{device_limit(i): 1 for i in range(gpus)}}
         done = [_ensure_limit(client, name, slots, existing.get(name)) for name, slots in wanted.items()]
         stale = [n for n in existing if _is_device_limit(n) and n not in wanted]
         for name in stale:  # devices of a larger pool before
@@ -50,9 +53,11 @@ def ensure_gpu_limit(gpus: int | None = None) -> str:
         repaired = repair_pool(client)
         storage = _lease_storage(client)
     changed = [d for d in done if d] + [f"deleted {n!r}" for n in stale]
-    pool = f"{gpus} GPU(s): {GPU_LIMIT!r} {max(gpus, 1)} slot(s)" + (
+    host = this_host()
+    pool = f"{gpus} GPU(s): {gpu!r} {max(gpus, 1)} slot(s)" + (
         f", {device_limit(0)!r} .. {device_limit(gpus - 1)!r}" if gpus else " (CPU-only: one training at a time)")
-    return (f"GPU pool for {pool}; {CPU_LIMIT!r} counts the runs sharing the host's cores"
+    return ((f"host {host!r} ({HOST_VARIABLE}): " if host else "")
+            + f"GPU pool for {pool}; {cpu_limit()!r} counts the runs sharing the host's cores"
             + (f" ({'; '.join(changed)})" if changed else " (all existed)")
             + (f"\nrepaired: the server held no leases for these slots (it restarted?), set free: "
                f"{'; '.join(repaired)}; runs still training re-claim theirs within {LEASE_SECONDS} s" if repaired
@@ -60,7 +65,8 @@ def ensure_gpu_limit(gpus: int | None = None) -> str:
 
 
 def _is_device_limit(name: str) -> bool:
-    index = name.removeprefix(f"{GPU_LIMIT}-")
+    """A device limit of this host's pool (another host's are named for that host, hosts.py)."""
+    index = name.removeprefix(f"{gpu_limit()}-")
     return index != name and index.isdigit()
 
 
@@ -94,7 +100,8 @@ def _ensure_limit(client: Any, name: str, slots: int, existing: Any) -> str:
 
 
 def ensure_work_pool(name: str = WORK_POOL) -> str:
-    """Create the process work pool the deployments use."""
+    """Create the process work pool the deployments use, and this host's work queue in it where QLORA_HOST is set
+    (runs pinned to the host go there; tasks/pool/hosts.py)."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
@@ -102,9 +109,22 @@ def ensure_work_pool(name: str = WORK_POOL) -> str:
     with get_client(sync_client=True) as client:
         try:
             client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-            return f"created work pool {name!r} (process)"
+            said = f"created work pool {name!r} (process)"
         except ObjectAlreadyExists:
-            return f"work pool {name!r} exists"
+            said = f"work pool {name!r} exists"
+        if (host := this_host()) is not None:
+            said += f"; {_ensure_queue(client, name, host_queue(host))} for runs pinned to host {host!r}"
+    return said
+
+
+def _ensure_queue(client: Any, pool: str, queue: str) -> str:
+    from prefect.exceptions import ObjectAlreadyExists
+
+    try:
+        client.create_work_queue(name=queue, work_pool_name=pool)
+        return f"created work queue {queue!r}"
+    except ObjectAlreadyExists:
+        return f"work queue {queue!r} exists"
 
 
 def apply_automations(notify_url: str) -> str:
@@ -194,7 +214,42 @@ def _deployed(specs: list[dict[str, Any]]) -> str:
 
 
 def worker(pool: str, extra: list[str]) -> int:
-    """`prefect worker start --pool POOL` with QLORA_PIPELINE_ROOT set to this checkout (the pull step's directory)."""
+    """`prefect worker start --pool POOL` with QLORA_PIPELINE_ROOT set to this checkout (the pull step's directory).
+
+    Where QLORA_HOST names this host (several GPU hosts, tasks/pool/hosts.py), the worker is that host's: named for
+    it, polling the shared queue and the host's own, and taking at most as many flow runs at once as the host's
+    GPU pool has GPUs (`--limit`, unless given), so a run waits in the shared queue for a host with a free GPU
+    rather than on a host whose GPUs are all taken."""
     env = {**os.environ, ROOT_VARIABLE: str(PROJECT_ROOT)}
+    if (host := this_host()) is not None:
+        extra = [*_host_worker_args(pool, host, extra), *extra]
     # exec, not a child: signals meant for the worker (Ctrl-C, a service manager's stop) reach it
     os.execve(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env)
+
+
+def _host_worker_args(pool: str, host: str, extra: list[str]) -> list[str]:
+    """`prefect worker start` arguments of host `host`'s worker: its name, its queues, its limit (its GPUs)."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        _ensure_queue(client, pool, SHARED_QUEUE)
+        _ensure_queue(client, pool, host_queue(host))
+    args = ["--name", f"qlora-{host}", "--work-queue", SHARED_QUEUE, "--work-queue", host_queue(host)]
+    limit = extra[extra.index("--limit") + 1] if "--limit" in extra else str(host_gpus())
+    print(f"worker of host {host!r}: work queues {SHARED_QUEUE!r} and {host_queue(host)!r}, at most {limit} flow "
+          "run(s) at a time", flush=True)
+    return args if "--limit" in extra else [*args, "--limit", limit]
+    return args
+
+
+def host_gpus() -> int:
+    """GPUs of this host's pool on the server (its device limits), at least 1; `setup --gpus N` sizes it."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            size = client.read_global_concurrency_limit_by_name(gpu_limit()).limit
+        except ObjectNotFound:
+            return max(1, len(visible_gpus()))
+    return max(1, size)

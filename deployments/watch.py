@@ -22,11 +22,14 @@ _INLINE_IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/[a-z]+;base64,([A-Za-z0-9
 FLOWS = ("qlora-pipeline", "qlora-sweep")  # a bare deployment name is looked up under these flows, in order
 
 
-def start(deployment: str, config: dict[str, Any]) -> Any:
+def start(deployment: str, config: dict[str, Any], host: str | None = None) -> Any:
     """Create a flow run of `deployment` ("flow/deployment", or a bare name of a qlora flow's deployment) with the
-    deployment's config overridden by the fields in `config`, as the UI's Run button does with an edited form."""
+    deployment's config overridden by the fields in `config`, as the UI's Run button does with an edited form.
+    `host`: pinned to that GPU host (its work queue, tasks/pool/hosts.py)."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
+
+    from tasks.pool.hosts import placement
 
     names = [deployment] if "/" in deployment else [f"{flow}/{deployment}" for flow in FLOWS]
     with get_client(sync_client=True) as client:
@@ -40,7 +43,9 @@ def start(deployment: str, config: dict[str, Any]) -> Any:
         # Prefect merges run parameters into the deployment's at the top level only: {"config": {...}} alone would
         # replace the deployment's whole config (its data, method, registry) with the defaults
         merged = overridden(dep.parameters.get("config") or {}, config)
-        return client.create_flow_run_from_deployment(dep.id, parameters={**dep.parameters, "config": merged})
+        placed = placement(client, dep.work_pool_name, host)
+        return client.create_flow_run_from_deployment(dep.id, parameters={**dep.parameters, "config": merged},
+                                                      **placed)
 
 
 def overridden(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

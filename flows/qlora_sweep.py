@@ -26,7 +26,6 @@ from tasks.reporting.run_record import record_run
 from tasks.reporting.sweep import rank, report
 from tasks.sweep.grid import CandidateList, expand
 from tasks.tested_versions import warn_untested_versions
-from tasks.train_adapter.stage import train_adapter
 
 
 # The flow's own runner takes one stage task at a time: they run in the flow-run process, and two at once share its
@@ -40,14 +39,16 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
                 grid: dict[str, list[Any]] | None = None, candidates: CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
 
-    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for
-    it ("train_adapter-c2 (lora.r=8)"), cached by content like any run's, so a re-run reuses every finished
-    candidate. Candidates train at once, one per free GPU, where the GPU pool has several GPUs, and one at a time
-    without one; evaluations go one at a time. With track.backend set, the sweep has a tracked run of its own
-    (MLflow: a parent run, with every candidate's training as a child run) that gets the ranking, the winner and the
-    comparison plot. The ranking is the promotion gate's rule; the winner goes through export_adapter and the
-    registry's gate as any run does, and its verdict is the sweep run's final state message. Artifacts:
-    sweep-comparison (table and plot), sweep-winner (its config), and each candidate's own, named for it.
+    Data and model are prepared once; each candidate's train_adapter and evaluate_adapter are task runs named for it
+    ("train_adapter-c2 (lora.r=8)"), cached by content like any run's, so a re-run reuses every finished candidate.
+    Candidates train at once, one per free GPU, where the GPU pool has several GPUs, and one at a time without one;
+    where the work pool has several GPU hosts, each candidate's training is a flow run that the first host with a
+    free GPU takes (sweep_runner.train_on_fleet). Evaluations go one at a time. With track.backend set, the sweep
+    has a tracked run of its own (MLflow: a parent run, with every candidate's training as a child run) that gets
+    the ranking, the winner and the comparison plot. The ranking is the promotion gate's rule; the winner goes
+    through export_adapter and the registry's gate as any run does, and its verdict is the sweep run's final state
+    message. Artifacts: sweep-comparison (table and plot), sweep-winner (its config), and each candidate's own,
+    named for it.
 
     A failed candidate fails alone: its task run is Failed, the others go on, and the best of those that finished
     is ranked and published. The sweep itself then ends Failed, after publishing, with the failed candidates in
@@ -70,8 +71,10 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)
     model_dir = prepare_model(config.model, runs)
-    with sweep_runner.training_runner() as runner:  # each candidate's task runs named for it (sweep_runner.named)
-        trained = [runner.submit(sweep_runner.named(train_adapter, c), {**c.sections(), "runs_dir": runs,
+    hosts = sweep_runner.fleet_hosts()  # several GPU hosts: each candidate trains on the first with a free GPU
+    training = sweep_runner.training_task(hosts)
+    with sweep_runner.training_runner(hosts) as runner:  # each candidate's task runs named for it (sweep_runner.named)
+        trained = [runner.submit(sweep_runner.named(training, c), {**c.sections(), "runs_dir": runs,
                                                                         "data_dir": data_dir, "model_dir": model_dir,
                                                                         "track": track})
                    for c in plan.candidates]

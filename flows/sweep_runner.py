@@ -6,25 +6,103 @@ tasks/sweep/ makes the candidates and ranks them (pure functions); tasks/reporti
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
+from prefect import task
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import candidate_run_name, logger
 from tasks.on_disk.manifest import read_manifest
 from tasks.pool.gpus import pool_gpus
+from tasks.pool.hosts import hosts_of, placement
+from tasks.pool.leases import uses_server
 from tasks.sweep.grid import Candidate, Plan, show
 from tasks.sweep.ranking import Outcome
+from tasks.train_adapter.stage import spec, train_adapter
+
+FLEET_DEPLOYMENT = "qlora-train/candidate"  # flows/train_candidate.py, deployed by deployments/prefect.yaml
+_FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def fleet_hosts() -> list[str]:
+    """The GPU hosts a sweep's candidates train on, each candidate a flow run that the first host with a free GPU
+    takes: the hosts of the candidate-training deployment's work pool (tasks/pool/hosts.py), where there are two or
+    more. [] on a single host, without a server or without that deployment: the candidates train here."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    if not uses_server():
+        return []
+    with get_client(sync_client=True) as client:
+        try:
+            deployment = client.read_deployment_by_name(FLEET_DEPLOYMENT)
+        except ObjectNotFound:
+            return []
+        hosts = hosts_of(client, deployment.work_pool_name)
+    return hosts if len(hosts) > 1 else []
+
+
+def training_task(hosts: list[str]) -> Any:
+    """The task each candidate's training is: train_adapter here, or train_on_fleet where there are hosts."""
+    return train_on_fleet if hosts else train_adapter
+
+
+@task(name="train_adapter")  # the stage's name: a candidate's training, wherever it runs
+def train_on_fleet(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, data_dir: str,
+                   model_dir: str, track: TrackArgs | None = None) -> str:
+    """One candidate's train_adapter as a flow run of FLEET_DEPLOYMENT, queued for whichever host has a free GPU
+    first (Prefect's work queues and each host's worker --limit: tasks/pool/hosts.py); waits for it and returns the
+    stage folder, on the runs_dir every host shares. Its key is the same as here, so a finished training is reused
+    wherever it ran."""
+    from prefect import get_client
+    from prefect.runtime import flow_run, task_run
+
+    parameters = {"lora": lora.model_dump(mode="json"), "train": train.model_dump(mode="json"),
+                  "speed": speed.model_dump(mode="json"), "runs_dir": str(runs_dir), "data_dir": data_dir,
+                  "model_dir": model_dir, "track": track.model_dump(mode="json") if track else None}
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(FLEET_DEPLOYMENT)
+        run = client.create_flow_run_from_deployment(
+            deployment.id, parameters=parameters, name=f"{flow_run.name}-{task_run.name}"[:120],
+            **_tagged(placement(client, deployment.work_pool_name, None), f"sweep:{flow_run.id}"))
+    logger().info("%s: trains in flow run %s of %s, on the first GPU host with a free GPU", task_run.name, run.name,
+                  FLEET_DEPLOYMENT)
+    state = _ended(run.id)
+    if state.type.value != "COMPLETED":
+        raise RuntimeError(f"the training's flow run {run.name} ({run.id}) ended {state.name}: {state.message}")
+    folder = spec(lora, train, speed, runs_dir, data_dir, model_dir).dir
+    if read_manifest(folder) is None:
+        raise RuntimeError(f"the training's flow run {run.name} completed, but {folder} holds no manifest: is "
+                           "runs_dir on storage every host shares (docs/operations.md)?")
+    return str(folder)
+
+
+def _tagged(placed: dict[str, Any], tag: str) -> dict[str, Any]:
+    return {**placed, "tags": [*placed.get("tags", []), tag]}
+
+
+def _ended(run_id: UUID) -> Any:
+    """The final state of flow run `run_id`, polled."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        while (state := client.read_flow_run(run_id).state) is None or state.type.value not in _FINAL:
+            time.sleep(2)
+    return state
 
 
 @contextmanager
-def training_runner() -> Iterator[Any]:
+def training_runner(hosts: list[str] | None = None) -> Iterator[Any]:
     """The task runner the candidates' train_adapter runs go to: as many at once as the GPU pool has GPUs, or the
-    flow's own runner (one stage task at a time) where there is no pool of devices.
+    flow's own runner (one stage task at a time) where there is no pool of devices. Where there are several GPU
+    `hosts` (fleet_hosts), a runner whose threads each wait for a candidate's flow run on the fleet.
 
     Why not more in one process: two trainings in the flow-run process share its global state. torch's default
     RNG is one per process: each training seeds it (set_seed in train_adapter/fit.py) and then draws its LoRA A
@@ -41,6 +119,11 @@ def training_runner() -> Iterator[Any]:
     """
     from prefect.context import FlowRunContext
 
+    if hosts:  # each thread only waits for a flow run on some host; the hosts' workers bound how many train
+        logger().info("sweep: candidates train on the GPU hosts %s, each where a GPU is free first", ", ".join(hosts))
+        with SignalLeavesThreads(max_workers=64) as runner:
+            yield runner
+        return
     gpus = pool_gpus()
     if gpus:
         logger().info("sweep: up to %d candidate(s) train at once, one per free GPU of the pool", gpus)

@@ -108,6 +108,7 @@ class TrainMetrics(_Metrics):
     tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
     gpu_wait_seconds: float | None = None  # of the stage's seconds, waiting for the GPU slot (other runs' training)
     devices: list[str] | None = None  # the GPUs of the pool it trained on (CUDA_VISIBLE_DEVICES); None: no pool
+    host: str | None = None  # the GPU host whose pool gave them (QLORA_HOST); None: a single host without a name
 
 
 class ChampionScores(_Metrics):

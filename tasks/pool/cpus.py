@@ -14,11 +14,17 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from tasks.log import current_run_attempt, logger
+from tasks.pool.hosts import on_host, this_host
 from tasks.pool.leases import hold, uses_server
 
-CPU_LIMIT = "qlora-cpu"
+CPU_LIMIT = "qlora-cpu"  # named for the host where QLORA_HOST is set (cpu_limit): each host counts its own runs
 CPU_COUNTER_SLOTS = 10_000  # a counter: never reached, so nobody waits for it
 THREADS_VARIABLE = "QLORA_CPU_THREADS"  # an explicit thread count per process, over the share
+
+
+def cpu_limit() -> str:
+    """This host's CPU counter: CPU_LIMIT, or `qlora-cpu@HOST` where several hosts share the server (hosts.py)."""
+    return on_host(CPU_LIMIT, this_host())
 
 
 def host_cores() -> int:
@@ -55,12 +61,12 @@ def _runs_computing(cores: int, holding: bool) -> tuple[int, str]:
 
         with get_client(sync_client=True) as client:
             try:
-                active = client.read_global_concurrency_limit_by_name(CPU_LIMIT).active_slots
+                active = client.read_global_concurrency_limit_by_name(cpu_limit()).active_slots
             except ObjectNotFound:
-                return 1, (f"{cores} cores, other runs not counted (no {CPU_LIMIT!r} limit on the server: "
+                return 1, (f"{cores} cores, other runs not counted (no {cpu_limit()!r} limit on the server: "
                            "`qlora-pipeline setup` creates it)")
         runs = max(1, active + (0 if holding else 1))
-        return runs, f"{runs} run(s) computing on {cores} cores (active slots of {CPU_LIMIT!r}, this run included)"
+        return runs, f"{runs} run(s) computing on {cores} cores (active slots of {cpu_limit()!r}, this run included)"
     # no shared server: the runs cannot see each other, only how busy the host is; a load of twice the cores counts
     # as two runs' worth of work, whoever makes it
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -76,7 +82,7 @@ def cpu_share(stage: str, processes: int = 1) -> Iterator[int]:
     with ExitStack() as held:
         holding = current_run_attempt() is not None and uses_server()
         if holding:  # not strict: a server set up before this limit existed just shares less well
-            holding = held.enter_context(hold(CPU_LIMIT, 1, strict=False, critical=False))
+            holding = held.enter_context(hold(cpu_limit(), 1, strict=False, critical=False))
         threads = cpu_threads(stage, processes, holding)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)

@@ -12,6 +12,10 @@ GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The
   also how tests simulate a 2-GPU worker on a CPU machine), and the run's training processes get exactly those
   in their CUDA_VISIBLE_DEVICES.
 
+Several GPU hosts under one server (QLORA_HOST set in each host's worker, hosts.py) have a pool each: every name
+above carries the host, `qlora-gpu@gpu-a`, `qlora-gpu@gpu-a-0`, `qlora-gpu@gpu-a-placement`, and a run takes the
+slots of the host it runs on.
+
 A pool without device limits (0 GPUs, or a server set up before the pool existed) is today's single slot: one
 training at a time, on whatever this process sees, and gpu_slot yields None.
 
@@ -43,16 +47,25 @@ from uuid import UUID
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 from tasks.pool.cpus import host_cores
+from tasks.pool.hosts import WAITING_STATE, on_host, this_host
 from tasks.pool.leases import LEASE_SECONDS, check_server_leases, hold, uses_server
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 PLACEMENT_LIMIT = "qlora-gpu-placement"
-WAITING_STATE = "Waiting for GPU"
+
+
+def gpu_limit() -> str:
+    """This host's counting limit: GPU_LIMIT, named for the host where QLORA_HOST is set (hosts.py)."""
+    return on_host(GPU_LIMIT, this_host())
+
+
+def placement_limit() -> str:
+    return f"{gpu_limit()}-placement"
 
 
 def device_limit(index: int) -> str:
-    """The 1-slot limit that stands for the index-th visible GPU of the worker."""
-    return f"{GPU_LIMIT}-{index}"
+    """The 1-slot limit that stands for the index-th visible GPU of the worker (of this host)."""
+    return f"{gpu_limit()}-{index}"
 
 
 def visible_gpus() -> list[str]:
@@ -105,9 +118,9 @@ def gpu_capacity() -> tuple[int, str]:
 
 
 def _pool_too_small(gpus: int, size: int) -> str:
-    return (f"speed.num_gpus={gpus}, but the GPU pool ({GPU_LIMIT!r}) has {size} slot(s), one per GPU of the worker. "
-            f"Set speed.num_gpus to {size} or less, or size the pool with `qlora-pipeline setup --gpus {gpus}` on a "
-            f"worker with that many GPUs.")
+    return (f"speed.num_gpus={gpus}, but the GPU pool ({gpu_limit()!r}) has {size} slot(s), one per GPU of the "
+            f"worker. Set speed.num_gpus to {size} or less, or size the pool with `qlora-pipeline setup --gpus "
+            f"{gpus}` on a worker with that many GPUs.")
 
 
 @contextmanager
@@ -131,20 +144,20 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
         raise UserError(_pool_too_small(gpus, size))
     waiting = _Waiting(wanted)
     with ExitStack() as held:
-        _take(held, GPU_LIMIT, wanted, waiting)
+        _take(held, gpu_limit(), wanted, waiting)
         if not devices:
             waiting.over()
             yield None
             return
         names = visible_gpus()
         if len(names) < size:
-            raise UserError(f"The GPU pool ({GPU_LIMIT!r}) has {size} slots, but this worker sees {len(names)} "
+            raise UserError(f"The GPU pool ({gpu_limit()!r}) has {size} slots, but this worker sees {len(names)} "
                             f"GPU(s) ({', '.join(names) or 'none'}). Run `qlora-pipeline setup --gpus "
                             f"{len(names)}` (or start the worker where CUDA_VISIBLE_DEVICES lists {size} GPUs).")
         mine = [names[i] for i in _place(held, wanted, size, waiting)]
         waiting.over()
         logger().info("train_adapter: holds GPU(s) %s of the pool (%d of %d slots of %r; CUDA_VISIBLE_DEVICES=%s "
-                      "for its training processes)", ", ".join(mine), wanted, size, GPU_LIMIT, ",".join(mine))
+                      "for its training processes)", ", ".join(mine), wanted, size, gpu_limit(), ",".join(mine))
         yield mine
 
 
@@ -166,11 +179,11 @@ def _pool() -> tuple[int, bool]:
 
     with get_client(sync_client=True) as client:
         try:
-            size = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+            size = client.read_global_concurrency_limit_by_name(gpu_limit()).limit
         except ObjectNotFound:
             return 1, False
         try:
-            for name in (PLACEMENT_LIMIT, *map(device_limit, range(size))):
+            for name in (placement_limit(), *map(device_limit, range(size))):
                 client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:  # a CPU-only pool, or one set up before devices had limits
             return size, False
@@ -182,17 +195,17 @@ def _take(held: ExitStack, name: str, slots: int, waiting: _Waiting | None = Non
     from prefect.runtime import task_run
 
     holder = UUID(str(task_run.id)) if task_run.id else None
-    held.enter_context(hold(name, slots, strict=True, critical=name != PLACEMENT_LIMIT, holder=holder,
+    held.enter_context(hold(name, slots, strict=True, critical=name != placement_limit(), holder=holder,
                             on_wait=waiting.start if waiting else None))
 
 
 def _place(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[int]:
-    """Take `wanted` free device limits into `held`; their indices. Runs place one at a time (PLACEMENT_LIMIT), so
+    """Take `wanted` free device limits into `held`; their indices. Runs place one at a time (placement_limit), so
     what is read free here stays free until taken."""
     from prefect import get_client
 
     with ExitStack() as placing:
-        _take(placing, PLACEMENT_LIMIT, 1, waiting)
+        _take(placing, placement_limit(), 1, waiting)
         deadline = time.monotonic() + 2 * LEASE_SECONDS  # a killed run's device lease lapses within LEASE_SECONDS
         while True:
             with get_client(sync_client=True) as client:
@@ -207,9 +220,9 @@ def _place(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[i
             if len(free) >= wanted:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"train_adapter holds {wanted} slot(s) of {GPU_LIMIT!r} but only {len(free)} "
+                raise RuntimeError(f"train_adapter holds {wanted} slot(s) of {gpu_limit()!r} but only {len(free)} "
                                    f"of its device limits are free: something other than train_adapter holds "
-                                   f"{GPU_LIMIT}-<i> slots (see Concurrency in the Prefect UI)")
+                                   f"{gpu_limit()}-<i> slots (see Concurrency in the Prefect UI)")
             time.sleep(1)
         for i in free[:wanted]:
             _take(held, device_limit(i), 1, waiting)
@@ -231,8 +244,8 @@ class _Waiting:
         self.since = time.monotonic()
         logger().info("train_adapter: waiting for the GPU: other runs hold the slots of the global concurrency "
                       "limit %r that it needs (%d); training starts when they end (or within %d s of them being "
-                      "killed)", GPU_LIMIT, self.wanted, LEASE_SECONDS)
-        state = Pending(name=WAITING_STATE, message=f"Waiting for {self.wanted} {GPU_LIMIT!r} slot(s)")
+                      "killed)", gpu_limit(), self.wanted, LEASE_SECONDS)
+        state = Pending(name=WAITING_STATE, message=f"Waiting for {self.wanted} {gpu_limit()!r} slot(s)")
         _set_task_state(state)
         _set_flow_state(state, only_if=_no_other_training)
 

@@ -27,6 +27,7 @@ from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
 from tasks.pool.gpus import gpu_slot
+from tasks.pool.hosts import this_host
 from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.registry.init_adapter import resolve_adapter
 from tasks.reporting import tracking
@@ -87,6 +88,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                     metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited, "devices": devices,
+                                                      "host": this_host() if devices else None,
                                                       **({"tracking": refs} if refs else {})},
                      resumed_from_step=resumed)
         return str(stage.dir)

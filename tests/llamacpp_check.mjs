@@ -33,10 +33,12 @@ async function read(request) {
     });
     const sequence = context.getSequence();
     const tokens = [...(bos === null ? [] : [bos]), ...model.tokenize(prompt)];
-    // the next token's distribution over the whole vocabulary, no sampling option narrowing it
+    // the next token's distribution over the whole vocabulary, no sampling option narrowing it; yieldEogToken: a
+    // sampled end-of-generation token would otherwise end the loop before it yields the distribution (seed: the
+    // same draw every time)
     const logprobs = [];
     for await (const step of sequence.evaluateWithMetadata(
-      tokens, { probabilities: true }, { temperature: 1, topK: 0, topP: 1, minP: 0 })) {
+      tokens, { probabilities: true }, { temperature: 1, topK: 0, topP: 1, minP: 0, seed: 0, yieldEogToken: true })) {
       for (const [token, p] of step.probabilities) logprobs[token] = Math.log(p);
       break;
     }

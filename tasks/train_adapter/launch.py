@@ -148,6 +148,17 @@ def _rank_main(args_file: Path) -> None:
         raise SystemExit(2) from exc
     if int(os.environ.get("RANK", "0")) == 0:
         (out / RESULT).write_text(json.dumps(metrics))
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy the rank's process group before the interpreter exits: left to its teardown, gloo's threads can
+    abort a rank that finished training ("terminate called without an active exception", SIGABRT), which fails
+    the run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -207,6 +207,21 @@ def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, A
         mode="json", exclude={"runs_dir"})
 
 
+def _reward_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """grpo: the mean held-out reward (what the gate compares) and each reward function's mean, as card rows."""
+    if metrics.get("tuned_mean_reward") is None:
+        return []
+    return [("mean reward (gated)", "mean_reward"),
+            *[(f"reward {name}", f"rewards.{name}") for name in metrics.get("tuned_rewards") or {}]]
+
+
+def _metric(metrics: dict[str, Any], who: str, key: str) -> Any:
+    """metrics[f"{who}_{key}"]; a dotted key reads into a dict (rewards.format: {who}_rewards["format"])."""
+    field, _, inner = key.partition(".")
+    value = metrics.get(f"{who}_{field}")
+    return (value or {}).get(inner) if inner else value
+
+
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
                record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
@@ -217,8 +232,9 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
     judged = metrics.get("judged_against")
     who = ["base", *(["champion"] if judged else []), "tuned"]
-    table = "\n".join(f"| {label} | " + " | ".join(_fmt(metrics.get(f"{w}_{key}")) for w in who) + " |"
-                      for label, key in METRIC_ROWS)
+    rows = METRIC_ROWS + _reward_rows(metrics)
+    table = "\n".join(f"| {label} | " + " | ".join(_fmt(_metric(metrics, w, key)) for w in who) + " |"
+                      for label, key in rows)
     header = "| metric | base |" + (f" champion {judged} |" if judged else "") + " tuned (this adapter) |"
     header += "\n|---|---|---|" + ("---|" if judged else "")
     versus = f" vs base + the champion {judged}" if judged else ""

@@ -401,6 +401,16 @@ class TrainArgs(_Section):
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between points of the loss log and curve.")
     seed: int = Field(42, description="Seed for the adapters' initial values, the data order and dropout.")
 
+    @field_validator("reward_pattern")
+    @classmethod
+    def _a_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"{value!r} is not a regular expression ({exc}); give one Python's re reads, e.g. "
+                             r"\d or ^Answer:") from None
+        return value
+
     @field_validator("max_steps")
     @classmethod
     def _some_steps(cls, value: int) -> int:
@@ -782,7 +792,7 @@ class RunConfig(_Section):
                              "set data.format to prompts or auto")
         if not self.train.rewards:
             raise ValueError("train.method=grpo learns from rewards, but train.rewards is empty: name at least one, "
-                             "e.g. [format] or [numeric_match] (README: Beyond SFT)")
+                             "e.g. [format] or [numeric_match] (docs/preference.md)")
         answers = self.train.per_device_train_batch_size * self.train.gradient_accumulation_steps
         if answers % self.train.num_generations:
             raise ValueError(f"train.method=grpo samples train.num_generations={self.train.num_generations} answers "

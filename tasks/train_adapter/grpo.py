@@ -32,7 +32,7 @@ from tasks.train_adapter.resume import latest_checkpoint
 
 def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
                  ) -> dict[str, Any]:
-    """Train with GRPO here (one process); save the adapter."""
+    """Train with GRPO here (alone, or as one rank of a data-parallel group); the main process saves."""
     from tasks.train_adapter.fit import outcome, progress
 
     dataset = _dataset(Path(data_dir) / "train.parquet")
@@ -43,9 +43,10 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     model = trainer.model
     throughput = progress(trainer).summary()
-    model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
-    (out / "adapter" / "README.md").unlink(missing_ok=True)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    if trainer.is_world_process_zero():
+        model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
+        (out / "adapter" / "README.md").unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": "grpo",
             "rewards": list(train.rewards), **_last_rewards(trainer)}
 

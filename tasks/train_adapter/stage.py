@@ -139,8 +139,8 @@ def check_method(train: TrainArgs, data_dir: Path) -> None:
                         "data.source at instruction, chat or text data.")
     if method == "grpo":
         raise UserError(f"train.method=grpo samples answers to prompts, but the data is in the {fmt} format. Give "
-                        "rows with a prompt column (and the columns your rewards read, e.g. answer; README: Beyond "
-                        "SFT), or set train.method to one that trains on this data.")
+                        "rows with a prompt column (and the columns your rewards read, e.g. answer; "
+                        "docs/preference.md), or set train.method to one that trains on this data.")
     raise UserError(f"train.method={method} trains on preference data, but the data is in the {fmt} format. Give "
-                    "prompt/chosen/rejected pairs or prompt/completion/label rows (README: Beyond SFT), or "
+                    "prompt/chosen/rejected pairs or prompt/completion/label rows (docs/preference.md), or "
                     "set train.method=sft.")

@@ -249,12 +249,20 @@ def test_gate_promotes_grpo_runs_on_their_mean_held_out_reward() -> None:
     assert verdict == "rejected" and "needed > 0.510" in reason  # a lower eval loss does not decide
     verdict, reason = gate(run(0.15)["metrics"], None, 0.01, "k")
     assert verdict == "rejected" and "the base model's 0.200" in reason
+    # a sweep ranks grpo candidates by the same rule; a NaN mean reward is unranked
+    from tasks.sweep.ranking import _WORST, _beats
+
+    assert _beats(run(0.6)["metrics"], run(0.5)["metrics"], "k") and not _beats(run(0.5)["metrics"],
+                                                                               run(0.6)["metrics"], "k")
+    assert not _beats(run(float("nan"))["metrics"], _WORST, "k")
 
 
 # --- training -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_grpo_raises_the_held_out_reward_and_the_gate_promotes_on_it(prefect_env: Path, tmp_path: Path) -> None:
+def test_grpo_raises_the_held_out_reward_and_the_gate_promotes_on_it(prefect_env: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QLORA_CPU_THREADS", "1")  # the same threads every time: sampling follows a CPU's digits
     overrides = [f"{k}={v}" for k, v in {
         "runs_dir": tmp_path / "runs", "data.source": PROMPTS, "train.max_steps": 40, "train.save_steps": 20,
         "train.logging_steps": 5, "export.name": "grpo", **{k: v for k, v in FAST.items()
@@ -275,9 +283,11 @@ def test_grpo_raises_the_held_out_reward_and_the_gate_promotes_on_it(prefect_env
 @pytest.mark.slow
 @pytest.mark.kill
 def test_kill_9_mid_grpo_resumes_to_the_same_steps_and_adapter_bytes(prompt_stages: dict[str, str],
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from tasks.train_adapter.stage import spec
 
+    monkeypatch.setenv("QLORA_CPU_THREADS", "1")  # the killed, resumed and plain runs on the same threads
     steps, overrides = 9, {"train.max_steps": 9, "train.save_steps": 3, "train.seed": 7}
     config = _config(**overrides)
     killed_runs, plain_runs = tmp_path / "killed", tmp_path / "plain"

@@ -276,7 +276,7 @@ def test_grpo_raises_the_held_out_reward_and_the_gate_promotes_on_it(prefect_env
     exported = _metrics(first["stages"]["export_adapter"]["dir"])
     assert exported["promotion"] == "promoted" and "tuned mean reward" in exported["promotion_reason"]
     card = (Path(first["export_dir"]) / "README.md").read_text()
-    assert "| mean reward (gated) |" in card and "| reward format |" in card
+    assert "| mean reward (gated) |" in card and "| reward format |" in card and "Trained with GRPO" in card
     assert set(statuses(run_flow(overrides)).values()) == {"cached"}
 
 

@@ -714,7 +714,8 @@ class RunConfig(_Section):
         _rule({"train.method": {"enum": ["dpo", "kto"]}}, {
             "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
         _rule({"train.method": {"enum": ["grpo"]}}, {
-            "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]}}),
+            "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]},
+            "speed.num_gpus": {"enum": [1]}}),
         _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
                 {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
@@ -793,6 +794,9 @@ class RunConfig(_Section):
         if not self.train.rewards:
             raise ValueError("train.method=grpo learns from rewards, but train.rewards is empty: name at least one, "
                              "e.g. [format] or [numeric_match] (docs/preference.md)")
+        if self.speed.num_gpus != 1:
+            raise ValueError(f"train.method=grpo trains in one process here (several are not tried with TRL's "
+                             f"GRPOTrainer), but speed.num_gpus is {self.speed.num_gpus}; set speed.num_gpus=1")
         answers = self.train.per_device_train_batch_size * self.train.gradient_accumulation_steps
         if answers % self.train.num_generations:
             raise ValueError(f"train.method=grpo samples train.num_generations={self.train.num_generations} answers "

@@ -131,6 +131,8 @@ def test_grpo_config_rules() -> None:
     with pytest.raises(ValueError, match="train.loss_type=sigmoid does not go with train.method=grpo"):
         _config("train.loss_type=sigmoid")
     assert _config("train.loss_type=dr_grpo").train.loss_type == "dr_grpo"
+    with pytest.raises(ValueError, match="train.method=grpo trains in one process here"):
+        _config("speed.num_gpus=2")
     with pytest.raises(ValueError, match="'\\[a' is not a regular expression"):
         _config("train.reward_pattern='[a'")
 

@@ -613,6 +613,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"reward accuracy ({m['eval_pairs']} held-out pairs): base {m['base_reward_accuracy']:.3f} -> tuned "
               f"{m['tuned_reward_accuracy']:.3f}; reward margin {m['base_reward_margin']:.3f} -> "
               f"{m['tuned_reward_margin']:.3f}")
+    if m.get("tuned_mean_reward") is not None:  # grpo: what the promotion gate compares
+        base = m["base_rewards"] or {}
+        each = ", ".join(f"{f} {base.get(f)} -> {v}" for f, v in (m["tuned_rewards"] or {}).items())
+        print(f"mean reward ({m['eval_prompts']} held-out prompts, greedy): base {m['base_mean_reward']:.3f} -> tuned "
+              f"{m['tuned_mean_reward']:.3f} ({each})")
     if m.get("tuned_rouge_l") is not None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
@@ -620,7 +625,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"champion {m['judged_against']} on the same eval data: eval loss {m['champion_eval_loss']:.4f}"
               + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else "")
               + (f", reward accuracy {m['champion_reward_accuracy']:.3f} (tuned {m['tuned_reward_accuracy']:.3f})"
-                 if m.get("champion_reward_accuracy") is not None else ""))
+                 if m.get("champion_reward_accuracy") is not None else "")
+              + (f", mean reward {m['champion_mean_reward']:.3f} (tuned {m['tuned_mean_reward']:.3f})"
+                 if m.get("champion_mean_reward") is not None else ""))
     if "promotion" in m:
         print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}"
               f"{' by the ' + m['gate_rule'] + ' rule' if m.get('gate_rule') else ''}: "

@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows import sweep_runner
+from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
@@ -67,6 +68,8 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     runs = config.runs_dir
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
+    for candidate in plan.candidates:  # so is a reward function the deployment does not allow (grpo)
+        rewards.check(candidate.config.train)
     track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)

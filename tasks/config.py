@@ -202,8 +202,9 @@ class DataArgs(_Section):
     revision: str | None = Field(None, description="Hub dataset revision: a branch, tag or commit. Empty: the "
                                  "default branch.")
     format: Literal["auto", "preference", "unpaired_preference", "dolly", "alpaca", "prompt_completion", "chat",
-                    "text"] = Field(
-        "auto", description="How the records are laid out. auto: detected from the column names."
+                    "text", "prompts"] = Field(
+        "auto", description="How the records are laid out. auto: detected from the column names. prompts (for "
+        "train.method grpo): a prompt column, its other columns handed to the reward functions."
     )
     column_mapping: dict[str, str] = Field(
         default_factory=dict,
@@ -298,15 +299,20 @@ class LoraArgs(_Section):
 # DPO's and KTO's losses as TRL names them (DPOConfig.loss_type, KTOConfig.loss_type)
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
-# TrainArgs fields that are the pipeline's, not TrainingArguments'/DPOConfig's/KTOConfig's keywords
-PIPELINE_TRAIN_FIELDS = ("method", "init_adapter")
-PREFERENCE_TRAIN_FIELDS = ("beta", "loss_type")  # DPOConfig/KTOConfig keywords; not TrainingArguments'
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # GRPOConfig.loss_type, those that need no other setting
+# TrainArgs fields that are the pipeline's, not TrainingArguments'/DPOConfig's/KTOConfig's/GRPOConfig's keywords
+PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern")
+PREFERENCE_TRAIN_FIELDS = ("beta", "loss_type")  # DPOConfig/KTOConfig/GRPOConfig keywords; not TrainingArguments'
+# GRPOConfig keywords, and with the pipeline's rewards/reward_pattern the fields only grpo reads: out of every other
+# method's train_adapter key (train_adapter.stage.spec), so adding them left those keys as they were
+GRPO_TRAIN_FIELDS = ("num_generations", "max_completion_length", "temperature")
+GRPO_ONLY_FIELDS = (*GRPO_TRAIN_FIELDS, "rewards", "reward_pattern")
 OPTIMIZERS = ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused")
 
 
 class TrainArgs(_Section):
     """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter), and for preference
-    tuning (method dpo or kto) TRL's DPOConfig/KTOConfig fields of the same names.
+    tuning (method dpo or kto) and online RL (grpo) TRL's DPOConfig/KTOConfig/GRPOConfig fields of the same names.
 
     Why flat and not a nested `preference` section: DPOConfig and KTOConfig subclass TrainingArguments, so for a
     preference run this whole section (less `method` and `init_adapter`) still hands over as one
@@ -322,13 +328,17 @@ class TrainArgs(_Section):
         _rule({"method": {"enum": ["sft"]}}, {"loss_type": {"enum": ["auto"]}}, when_absent=True),
         _rule({"method": {"enum": ["dpo"]}}, {"loss_type": {"enum": ["auto", *DPO_LOSSES]}}),
         _rule({"method": {"enum": ["kto"]}}, {"loss_type": {"enum": ["auto", *KTO_LOSSES]}}),
+        _rule({"method": {"enum": ["grpo"]}}, {"loss_type": {"enum": ["auto", *GRPO_LOSSES]}}),
+        _rule({"method": {"enum": ["grpo"]}}, {"rewards": {"minItems": 1}}, then_required=True),
     ]
 
-    method: Literal["sft", "dpo", "kto"] = Field(
+    method: Literal["sft", "dpo", "kto", "grpo"] = Field(
         "sft", description="sft: supervised fine-tuning on instruction, chat or text data. dpo: Direct Preference "
         "Optimization on pairs of a preferred and a rejected answer (data format preference). kto: "
-        "Kahneman-Tversky Optimization on single answers rated good or bad (format unpaired_preference). dpo and "
-        "kto compare the tuned model with the base model (or with init_adapter).",
+        "Kahneman-Tversky Optimization on single answers rated good or bad (format unpaired_preference). grpo: "
+        "Group Relative Policy Optimization: the model answers each prompt (format prompts) num_generations times "
+        "and learns from the answers' rewards (train.rewards). dpo, kto and grpo compare the tuned model with the "
+        "base model (or with init_adapter).",
     )
     init_adapter: str | None = Field(
         None, description="Start from an exported adapter instead of a new one: a folder with adapter_config.json "
@@ -336,13 +346,29 @@ class TrainArgs(_Section):
         "registry NAME). Its own LoRA settings replace the lora section. Empty: a new adapter.",
     )
     beta: float = Field(
-        0.1, gt=0, description="dpo/kto: how far the tuned model may move away from the model it is compared with; "
-        "higher stays closer.",
+        0.1, gt=0, description="dpo/kto/grpo: how far the tuned model may move away from the model it is compared "
+        "with; higher stays closer.",
     )
-    loss_type: automatic(Literal[DPO_LOSSES + KTO_LOSSES], DPO_LOSSES + KTO_LOSSES) = Field(  # type: ignore[valid-type]
-        None, description="dpo/kto: the loss TRL optimizes. auto: sigmoid for dpo, kto for kto. dpo takes "
-        f"{', '.join(DPO_LOSSES)}; kto takes {', '.join(KTO_LOSSES)}.",
+    loss_type: automatic(Literal[DPO_LOSSES + KTO_LOSSES + GRPO_LOSSES],  # type: ignore[valid-type]
+                         DPO_LOSSES + KTO_LOSSES + GRPO_LOSSES) = Field(
+        None, description="dpo/kto/grpo: the loss TRL optimizes. auto: sigmoid for dpo, kto for kto, dapo for grpo. "
+        f"dpo takes {', '.join(DPO_LOSSES)}; kto takes {', '.join(KTO_LOSSES)}; grpo takes {', '.join(GRPO_LOSSES)}.",
     )
+    rewards: list[str] = Field(
+        default_factory=list, description="grpo: the reward functions, summed. Built in: answer_match (the answer "
+        "equals the data's answer column), numeric_match (its last number equals the answer's), format (the answer "
+        "matches reward_pattern), length_penalty (minus the share of max_completion_length used). Your own: "
+        "module:function, from a module the deployment allows (environment variable QLORA_REWARD_MODULES).",
+    )
+    reward_pattern: str = Field(
+        r"\d", description="grpo: the regular expression the format reward looks for in an answer (Python re.search).",
+    )
+    num_generations: int = Field(
+        4, ge=2, description="grpo: answers sampled per prompt; per_device_train_batch_size x "
+        "gradient_accumulation_steps (answers) must be a multiple of it.",
+    )
+    max_completion_length: int = Field(32, gt=0, description="grpo: most tokens per sampled answer.")
+    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature of the answers.")
 
     max_steps: int = Field(
         # the form shows the server's message, which quotes this schema: its title says what to do
@@ -374,6 +400,16 @@ class TrainArgs(_Section):
                             "from the latest one.")
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between points of the loss log and curve.")
     seed: int = Field(42, description="Seed for the adapters' initial values, the data order and dropout.")
+
+    @field_validator("reward_pattern")
+    @classmethod
+    def _a_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"{value!r} is not a regular expression ({exc}); give one Python's re reads, e.g. "
+                             r"\d or ^Answer:") from None
+        return value
 
     @field_validator("max_steps")
     @classmethod
@@ -508,7 +544,8 @@ class ExportArgs(_Section):
     promotion_margin: float = Field(
         0.01, ge=0.0, lt=1.0, description="A new version becomes champion only if its eval loss is lower than the "
         "champion's by more than this fraction (0.01: more than 1% lower), or for dpo and kto, if its reward "
-        "accuracy is higher by more than this (0.01: one point); otherwise it is kept as rejected.",
+        "accuracy is higher by more than this (0.01: one point), or for grpo, if its mean held-out reward is "
+        "higher by more than this (in reward units); otherwise it is kept as rejected.",
     )
     merge: bool = Field(
         False, description="Also write merged/: the base model with the adapter merged in, saved with the "
@@ -676,6 +713,9 @@ class RunConfig(_Section):
     FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_preference's and _check_fsdp's
         _rule({"train.method": {"enum": ["dpo", "kto"]}}, {
             "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
+        _rule({"train.method": {"enum": ["grpo"]}}, {
+            "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]},
+            "speed.num_gpus": {"enum": [1]}}),
         _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
                 {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
@@ -724,14 +764,19 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check_preference(self) -> RunConfig:
         method, loss = self.train.method, self.train.loss_type
-        allowed = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(method, ())
+        allowed = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES, "grpo": GRPO_LOSSES}.get(method, ())
         if loss is not None and loss not in allowed:
             raise ValueError(f"train.loss_type={loss} does not go with train.method={method}: "
                              + (f"use one of {', '.join(allowed)}, or auto for TRL's default" if allowed
-                                else "loss_type is for dpo and kto only; set it to auto"))
-        if method != "sft" and self.data.format not in ("auto", "preference", "unpaired_preference"):
+                                else "loss_type is for dpo, kto and grpo only; set it to auto"))
+        if method in ("dpo", "kto") and self.data.format not in ("auto", "preference", "unpaired_preference"):
             raise ValueError(f"train.method={method} trains on preference data, but data.format is "
                              f"{self.data.format}; set data.format to preference, unpaired_preference or auto")
+        if method == "grpo":
+            self._check_grpo()
+        elif self.train.rewards:
+            raise ValueError(f"train.rewards is for train.method=grpo, but train.method is {method}; leave "
+                             "train.rewards empty or set train.method=grpo")
         if method != "sft" and self.speed.fsdp:
             raise ValueError(f"train.method={method} does not run with speed.fsdp (TRL's preference trainers are "
                              "not tried with FSDP here); set speed.fsdp=false (DDP with speed.num_gpus works)")
@@ -741,6 +786,23 @@ class RunConfig(_Section):
         if self.train.init_adapter == "champion":  # the champion of this run's own registry
             self.train.init_adapter = f"champion:{self.export.name}"
         return self
+
+    def _check_grpo(self) -> None:
+        if self.data.format not in ("auto", "prompts"):
+            raise ValueError(f"train.method=grpo samples answers to prompts, but data.format is {self.data.format}; "
+                             "set data.format to prompts or auto")
+        if not self.train.rewards:
+            raise ValueError("train.method=grpo learns from rewards, but train.rewards is empty: name at least one, "
+                             "e.g. [format] or [numeric_match] (docs/preference.md)")
+        if self.speed.num_gpus != 1:
+            raise ValueError(f"train.method=grpo trains in one process here (several are not tried with TRL's "
+                             f"GRPOTrainer), but speed.num_gpus is {self.speed.num_gpus}; set speed.num_gpus=1")
+        answers = self.train.per_device_train_batch_size * self.train.gradient_accumulation_steps
+        if answers % self.train.num_generations:
+            raise ValueError(f"train.method=grpo samples train.num_generations={self.train.num_generations} answers "
+                             f"per prompt, which must divide the answers of an optimizer step "
+                             f"(per_device_train_batch_size x gradient_accumulation_steps = {answers}); e.g. set "
+                             f"train.per_device_train_batch_size={self.train.num_generations}")
 
     @model_validator(mode="after")
     def _check_fsdp(self) -> RunConfig:

@@ -213,7 +213,10 @@ def test_every_field_starts_at_a_value_the_form_can_show() -> None:
     ["export.gguf=[q8_0]"], ["track.register_model=true"], ["train.loss_type=sigmoid"],
     ["train.method=dpo", "train.loss_type=kto", "data.format=preference"],
     ["train.method=kto", "data.format=unpaired_preference", "train.per_device_train_batch_size=1"],
-    ["train.method=dpo", "data.format=dolly"], ["speed.fsdp=true"],
+    ["train.method=dpo", "data.format=dolly"], ["speed.fsdp=true"], ["train.method=grpo"],
+    ["train.method=grpo", "train.rewards=[format]", "data.format=dolly"],
+    ["train.method=grpo", "train.rewards=[format]", "train.loss_type=sigmoid"],
+    ["train.method=grpo", "train.rewards=[format]", "speed.num_gpus=2"],
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16", "model.bnb_4bit_compute_dtype=float16"],
 ])
 def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
@@ -235,6 +238,7 @@ def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
     [], ["train.max_steps=3"], ["train.max_steps=-1"], ["export.gguf=[q8_0]", "export.merge=true"],
     ["track.register_model=true", "track.backend=mlflow"], ["train.method=dpo", "train.loss_type=ipo"],
     ["train.method=kto", "train.loss_type=apo_zero_unpaired", "train.per_device_train_batch_size=2"],
+    ["train.method=grpo", "train.rewards=[format, numeric_match]", "train.loss_type=dr_grpo", "data.format=prompts"],
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"], ["speed.num_gpus=auto", "eval.dequantize=false"],
     ["lora.target_modules=[q_proj, v_proj]", "train.optim=adamw_torch", "train.bf16=false"],
 ])

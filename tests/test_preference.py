@@ -118,7 +118,7 @@ def test_preference_config_rules() -> None:
                        ).train.init_adapter == "champion:x"
     with pytest.raises(ValueError, match="train.loss_type=kto does not go with train.method=dpo"):
         load_config(None, ["train.method=dpo", "train.loss_type=kto"])
-    with pytest.raises(ValueError, match="loss_type is for dpo and kto only"):
+    with pytest.raises(ValueError, match="loss_type is for dpo, kto and grpo only"):
         load_config(None, ["train.loss_type=sigmoid"])
     with pytest.raises(ValueError, match="set train.per_device_train_batch_size to 2 or more"):
         load_config(None, ["train.method=kto", "train.per_device_train_batch_size=1"])

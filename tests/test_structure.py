@@ -22,7 +22,7 @@ STAGES = ("prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", 
 BASE = ("tasks", "tasks.config", "tasks.errors", "tasks.log", "tasks.credentials", "tasks.offline",
         "tasks.tested_versions")
 # the contract's groups, lowest first: a group imports the base, itself and the groups before it
-CONTRACT = ("pool", "hashing", "on_disk", "models", "registry", "sweep", "reporting")
+CONTRACT = ("pool", "hashing", "rewards", "on_disk", "models", "registry", "sweep", "reporting")
 
 
 def _module(path: Path) -> str:

@@ -32,7 +32,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from tasks.config import EvalArgs, ExportArgs
-from tasks.evaluate_adapter import preference
+from tasks.evaluate_adapter import grpo, preference
 from tasks.evaluate_adapter.generation import score
 from tasks.evaluate_adapter.stage import (
     _attached,
@@ -49,7 +49,7 @@ from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_for_evaluation, load_tokenizer
 from tasks.models.memory import release_device_memory
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, EvalMetrics, read_manifest
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, EvalMetrics, read_manifest
 from tasks.on_disk.parquet_dataset import ParquetExamples
 from tasks.pool.cpus import cpu_share
 from tasks.registry import store as registry
@@ -93,12 +93,19 @@ def score_champion(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str
         with cpu_share("evaluate_adapter"), _without_cudnn_attention():
             scored = preference.evaluate(args, Path(data_dir), Path(model_dir), folder)[0]
         metrics = {f"champion_{k.removeprefix('tuned_')}": v for k, v in scored.items() if k.startswith("tuned_")}
+    elif isinstance(data.metrics, DataMetrics) and data.metrics.format in PROMPT_FORMATS:
+        # this run's reward functions on the champion's greedy answers to this run's held-out prompts
+        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
+            scored = grpo.evaluate(args, grpo.train_args(Path(adapter_dir)), Path(data_dir), Path(model_dir),
+                                   folder)[0]
+        metrics = {f"champion_{k.removeprefix('tuned_')}": v for k, v in scored.items() if k.startswith("tuned_")}
     else:
         metrics = _scores(args, runs_dir, Path(data_dir), Path(model_dir), Path(eval_dir), folder,
                           identity(current))
     metrics = {k: v for k, v in metrics.items() if k in EvalMetrics.model_fields}
     logger().info("score_champion: champion %s on this run's eval data: %s", current["version"],
-                  ", ".join(f"{k.removeprefix('champion_')} {v:.4f}" for k, v in metrics.items() if v is not None))
+                  ", ".join(f"{k.removeprefix('champion_')} {v:.4f}" for k, v in metrics.items()
+                            if isinstance(v, float)))
     return {"judged_against": current["version"], "champion_adapter": identity(current), **metrics}
 
 

@@ -34,7 +34,7 @@ from prefect import task
 
 from tasks.config import EvalArgs
 from tasks.errors import UserError
-from tasks.evaluate_adapter import preference
+from tasks.evaluate_adapter import grpo, preference
 from tasks.evaluate_adapter.generation import (
     by_length,
     exact_match,
@@ -51,7 +51,7 @@ from tasks.models.memory import release_device_memory
 from tasks.on_disk import disk
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest, upstream_key
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, read_manifest, upstream_key
 from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
 from tasks.pool.cpus import cpu_share
 from tasks.reporting import artifacts
@@ -78,8 +78,9 @@ def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: s
         if stage.done:
             return str(stage.dir)
         data = read_manifest(Path(data_dir))
-        pairs = isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS  # dpo / kto data
-        evaluate = _evaluate_preference if pairs else _evaluate_sft
+        fmt = data.metrics.format if isinstance(data.metrics, DataMetrics) else None
+        evaluate = (_evaluate_preference if fmt in PREFERENCE_FORMATS  # dpo / kto data
+                    else _evaluate_prompts if fmt in PROMPT_FORMATS else _evaluate_sft)  # grpo: rewards
         outputs, metrics = evaluate(args, runs_dir, stage.dir, Path(data_dir), Path(model_dir), Path(adapter_dir))
         stage.finish(outputs, metrics)
         return str(stage.dir)
@@ -97,6 +98,29 @@ def _evaluate_preference(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Pa
     logger().info("evaluate_adapter: %s", json.dumps(metrics))
     artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
                            "and by base + adapter, scored against the chosen answer")
+    return outputs, metrics
+
+
+def _evaluate_prompts(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path,
+                      adapter_dir: Path) -> tuple[list[str], dict[str, Any]]:
+    """Prompts (grpo): the run's reward functions on base's and tuned's greedy answers to the held-out prompts
+    (grpo.py), written into `out`; the files written and the metrics."""
+    train = grpo.train_args(adapter_dir)
+    with _without_cudnn_attention():
+        metrics, refs, prompts, results = grpo.evaluate(args, train, data_dir, model_dir, adapter_dir / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    shown = min(args.generation_samples, len(prompts))
+    texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts[:shown]]
+    samples = _samples(texts, (refs or [""] * len(prompts))[:shown], results)
+    for i, row in enumerate(samples):  # each answer's rewards, beside its text
+        row.update({f"{who}_rewards": {f: xs[i] for f, xs in r["rewards"].items()} for who, r in results.items()})
+    outputs = _write(out, metrics, samples, results, False)
+    logger().info("evaluate_adapter: mean reward on %d held-out prompts: base %.4f -> tuned %.4f (%s)",
+                  metrics["eval_prompts"], metrics["base_mean_reward"], metrics["tuned_mean_reward"],
+                  ", ".join(f"{f} {metrics['base_rewards'][f]} -> {metrics['tuned_rewards'][f]}"
+                            for f in metrics["tuned_rewards"]))
+    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and by "
+                           f"base + adapter, with their rewards ({', '.join(train.rewards)})")
     return outputs, metrics
 
 

@@ -207,6 +207,30 @@ def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, A
         mode="json", exclude={"runs_dir"})
 
 
+def _reward_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """grpo: the mean held-out reward (what the gate compares) and each reward function's mean, as card rows."""
+    if metrics.get("tuned_mean_reward") is None:
+        return []
+    return [("mean reward (gated)", "mean_reward"),
+            *[(f"reward {name}", f"rewards.{name}") for name in metrics.get("tuned_rewards") or {}]]
+
+
+def _rewards_note(metrics: dict[str, Any]) -> str:
+    """grpo: what the loss and the rewards of the card's table are."""
+    if metrics.get("tuned_mean_reward") is None:
+        return ""
+    return ("\nTrained with GRPO: the rewards are the run's reward functions on those greedy answers (mean reward: "
+            "their sum, averaged over the answers; the promotion gate compares it); the loss is that of the prompts' "
+            "own tokens.")
+
+
+def _metric(metrics: dict[str, Any], who: str, key: str) -> Any:
+    """metrics[f"{who}_{key}"]; a dotted key reads into a dict (rewards.format: {who}_rewards["format"])."""
+    field, _, inner = key.partition(".")
+    value = metrics.get(f"{who}_{field}")
+    return (value or {}).get(inner) if inner else value
+
+
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
                record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
@@ -217,8 +241,9 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
     judged = metrics.get("judged_against")
     who = ["base", *(["champion"] if judged else []), "tuned"]
-    table = "\n".join(f"| {label} | " + " | ".join(_fmt(metrics.get(f"{w}_{key}")) for w in who) + " |"
-                      for label, key in METRIC_ROWS)
+    rows = METRIC_ROWS + _reward_rows(metrics)
+    table = "\n".join(f"| {label} | " + " | ".join(_fmt(_metric(metrics, w, key)) for w in who) + " |"
+                      for label, key in rows)
     header = "| metric | base |" + (f" champion {judged} |" if judged else "") + " tuned (this adapter) |"
     header += "\n|---|---|---|" + ("---|" if judged else "")
     versus = f" vs base + the champion {judged}" if judged else ""
@@ -227,6 +252,7 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
               f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
               if config["export"]["merge"] else "")
+    grpo = _rewards_note(metrics)
     loras = [Path(g).name for g in ggufs or [] if Path(g).name.startswith("lora-")]
     ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf") and Path(g).name not in loras]
     merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
@@ -255,7 +281,7 @@ A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_typ
 
 Loss and perplexity over {metrics['eval_examples']} held-out examples ({metrics['eval_tokens']} label tokens);
 exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 0)} held-out prompts (at most
-{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter{versus}, in the same pass.
+{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter{versus}, in the same pass.{grpo}
 
 {header}
 {table}

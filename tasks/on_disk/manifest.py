@@ -33,6 +33,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 
 
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")  # prepare_data formats for train.method dpo / kto
+PROMPT_FORMATS = ("prompts",)  # for train.method grpo
+TRL_FORMATS = (*PREFERENCE_FORMATS, *PROMPT_FORMATS)  # written in TRL's columns by prepare_data, not as sequences
 
 
 class _Metrics(BaseModel):
@@ -70,6 +72,8 @@ class DataMetrics(_Metrics):
     # eval examples that are training examples too (tasks/prepare_data/overlap.py): 0 by construction for a split by
     # data.eval_fraction; None in manifests written before it was counted
     eval_overlap: int | None = None
+    # format prompts (train.method grpo): the columns besides prompt, handed to the reward functions
+    prompt_columns: list[str] | None = None
 
 
 class ModelMetrics(_Metrics):
@@ -96,7 +100,12 @@ class TrainMetrics(_Metrics):
     gradient_accumulation_steps: int
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
-    method: Literal["sft", "dpo", "kto"] = "sft"
+    method: Literal["sft", "dpo", "kto", "grpo"] = "sft"
+    # grpo: the reward functions (train.rewards) and the last logged step's mean reward and KL (loss.jsonl has each
+    # logged step's)
+    rewards: list[str] | None = None
+    last_reward: float | None = None
+    last_kl: float | None = None
     # on a GPU with packing: the memory plan (tasks/train_adapter/memory_plan.py MemoryPlan: tokens, recompute_layers,
     # recompute_mlp_layers, chunk_recomputed, offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib
     # with peak_gpu_allocated_gib
@@ -127,6 +136,8 @@ class ChampionScores(_Metrics):
     champion_chosen_logps: float | None = None
     champion_rejected_logps: float | None = None
     champion_preference_accuracy: float | None = None
+    champion_mean_reward: float | None = None
+    champion_rewards: dict[str, float | None] | None = None
 
 
 class EvalMetrics(ChampionScores):
@@ -161,6 +172,14 @@ class EvalMetrics(ChampionScores):
     tuned_rejected_logps: float | None = None
     base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
     tuned_preference_accuracy: float | None = None
+    # prompts (train.method grpo; evaluate_adapter/grpo.py): the run's reward functions on greedy answers to the
+    # held-out prompts; mean_reward = the mean over answers of their summed rewards (the gate compares it), rewards =
+    # each function's mean; eval loss and perplexity are the prompts' own tokens' (a drift check)
+    eval_prompts: int | None = None
+    base_mean_reward: float | None = None
+    tuned_mean_reward: float | None = None
+    base_rewards: dict[str, float | None] | None = None
+    tuned_rewards: dict[str, float | None] | None = None
     # where the base model's results on this eval data are remembered (runs_dir/evaluate_adapter/.memo/<memo>), so
     # the champion's are looked up there without loading the model (score_champion); None: eval.parquet unhashed
     memo: str | None = None

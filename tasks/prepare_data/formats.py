@@ -25,6 +25,8 @@ FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "prompt_completion": (("prompt", "completion"), None),
     "chat": (("messages",), None),
     "text": (("text",), None),
+    # prompts to answer (train.method grpo), checked by reward functions: last, so any format above wins (prompts.py)
+    "prompts": (("prompt",), None),
 }
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n"
 CONTEXT_TEMPLATE = "### Context:\n{context}\n\n"

@@ -26,6 +26,7 @@ from tasks.hashing.keys import cache_key
 
 WEIGHTS = "adapter_model.safetensors"
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+PROMPT_FORMATS = ("prompts",)
 
 
 def identity(record: dict[str, Any] | None) -> str | None:
@@ -53,8 +54,9 @@ def gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float,
          why_not_same_data: str = "") -> tuple[str, str]:
     """('promoted' | 'rejected', reason): promoted when the tuned eval loss beats the champion's (with no champion:
     the base model's) by the margin; for preference runs (their metrics have a tuned reward accuracy) when the
-    reward accuracy does. Same-data numbers when this run scored the champion itself (its metrics'
-    champion_adapter is the champion's identity), else the champion's own night's, with `why_not_same_data`."""
+    reward accuracy does; for grpo runs (a tuned mean reward) when the mean held-out reward does. Same-data numbers
+    when this run scored the champion itself (its metrics' champion_adapter is the champion's identity), else the
+    champion's own night's, with `why_not_same_data`."""
     if current is None:
         return _first(metrics, margin)
     if rule(metrics, current) == "same-data":
@@ -66,6 +68,11 @@ def gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float,
         other = "" if current.get("eval_data") == eval_data else ", on other eval data"
         where = f"on its own night's eval data (cross-night rule: {note}{other})"
     whose = f"champion {current['version']}'s"
+    if metrics.get("tuned_mean_reward") is not None:
+        if theirs.get("mean_reward") is None:
+            return "promoted", (f"tuned mean reward {metrics['tuned_mean_reward']:.3f}; champion "
+                                f"{current['version']} was not a grpo run (no mean reward to beat)")
+        return _reward_gate(metrics["tuned_mean_reward"], theirs["mean_reward"], whose, margin, where)
     if metrics.get("tuned_reward_accuracy") is not None:
         if theirs.get("reward_accuracy") is None:
             return "promoted", (f"tuned reward accuracy {metrics['tuned_reward_accuracy']:.3f}; champion "
@@ -80,7 +87,11 @@ _FIRST = "first version (no champion yet): "
 def _first(metrics: dict[str, Any], margin: float) -> tuple[str, str]:
     """The first-version rule: the rule a challenger meets, with the base model in the champion's place."""
     where = "on this run's eval data"
-    if metrics.get("tuned_reward_accuracy") is not None:
+    if metrics.get("tuned_mean_reward") is not None:
+        best, key = metrics.get("base_mean_reward"), "mean reward"
+        verdict = best is not None and _reward_gate(metrics["tuned_mean_reward"], best, "the base model's", margin,
+                                                    where)
+    elif metrics.get("tuned_reward_accuracy") is not None:
         best, key = metrics.get("base_reward_accuracy"), "reward accuracy"
         verdict = best is not None and _preference_gate(metrics["tuned_reward_accuracy"], best, "the base model's",
                                                         margin, where)
@@ -110,6 +121,15 @@ def _preference_gate(accuracy: float, best: float, whose: str, margin: float, wh
     return ("promoted" if verb == "beats" else "rejected"), (
         f"tuned reward accuracy {accuracy:.3f} {verb} {whose} {best:.3f} {where} by more than the "
         f"{margin:.2f} margin (needed > {best + margin:.3f})")
+
+
+def _reward_gate(reward: float, best: float, whose: str, margin: float, where: str) -> tuple[str, str]:
+    """GRPO runs: the mean held-out reward (the run's reward functions, summed, on greedy answers) must beat the
+    champion's (or the base model's) by more than `margin` (absolute, in reward units); higher is better."""
+    verb = "beats" if reward > best + margin else "does not beat"  # a NaN reward is never above
+    return ("promoted" if verb == "beats" else "rejected"), (
+        f"tuned mean reward {reward:.3f} {verb} {whose} {best:.3f} {where} by more than the {margin:.2f} margin "
+        f"(needed > {best + margin:.3f})")
 
 
 def verdict(record: dict[str, Any], current: dict[str, Any] | None, champion_formats: list[str],
@@ -162,6 +182,8 @@ def _unlike(mine: dict[str, Any] | None, theirs: dict[str, Any] | None, version:
 
 
 def _describe(measure: dict[str, Any]) -> str:
+    if measure.get("format") in PROMPT_FORMATS:
+        return f"the mean reward on {measure['format']} data"
     if measure.get("format") in PREFERENCE_FORMATS:
         return f"reward accuracy on {measure['format']} data"
     tokens = "answers only" if measure.get("completion_only_loss") else "whole texts"

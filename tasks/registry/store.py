@@ -62,8 +62,9 @@ _REQUIRED = {"version": str, "path": str, "promotion": str, "reason": str, "metr
 _OPTIONAL = {"files": dict, "base_model": str, "adapter_key": str, "eval_data": str, "rule": str, "published_at": str,
              "champion_before": (dict, type(None)), "measure": (dict, type(None)), "formats": list,
              "evaluation": str, "export": dict}
+# read by the gate and the history: numbers (or null) where present
 _METRIC_NUMBERS = ("base_eval_loss", "champion_eval_loss", "base_reward_accuracy", "tuned_reward_accuracy",
-                   "champion_reward_accuracy")  # read by the gate and the history: numbers (or null) where present
+                   "champion_reward_accuracy", "base_mean_reward", "tuned_mean_reward", "champion_mean_reward")
 
 
 def registry_dir(runs_dir: Path, name: str) -> Path:
@@ -584,6 +585,9 @@ def history(root: Path) -> list[dict[str, Any]]:
         if m.get("tuned_reward_accuracy") is not None:
             row.update({"tuned reward accuracy": m["tuned_reward_accuracy"],
                         "champion same-night reward accuracy": m.get("champion_reward_accuracy")})
+        if m.get("tuned_mean_reward") is not None:
+            row.update({"tuned mean reward": m["tuned_mean_reward"],
+                        "champion same-night mean reward": m.get("champion_mean_reward")})
         rows.append(row)
     return rows
 

@@ -108,6 +108,7 @@ def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list
     # a column of n/a on an SFT run (whose metrics hold the key as None) reads as a missing result
     preference = metrics.get("tuned_reward_accuracy") is not None
     names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if preference else [])
+    names += [("mean reward", "mean_reward")] if metrics.get("tuned_mean_reward") is not None else []  # grpo
     return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
             for label, prefix, m, data in rows]
 

@@ -87,7 +87,8 @@ def record(ranking: Ranking) -> dict[str, Any]:
 
 
 _COLUMNS = [("tuned eval loss", "tuned_eval_loss"), ("base eval loss", "base_eval_loss"),
-            ("tuned reward accuracy", "tuned_reward_accuracy"), ("tuned ROUGE-L", "tuned_rouge_l")]
+            ("tuned reward accuracy", "tuned_reward_accuracy"), ("tuned mean reward", "tuned_mean_reward"),
+            ("tuned ROUGE-L", "tuned_rouge_l")]
 
 
 def comparison(ranking: Ranking) -> str:
@@ -108,7 +109,8 @@ def comparison(ranking: Ranking) -> str:
     markdown = (f"## Sweep `{ranking.plan.key}`: {len(ranking.outcomes)} candidates, winner "
                 f"{winner.candidate.name if winner else 'none'}\n\nRanked by the promotion gate's rule (margin 0) on "
                 f"the same eval data (prepare_data `{ranking.eval_data[:12]}`): the lowest tuned eval loss wins; for "
-                f"preference runs the highest tuned reward accuracy.\n\n{table}\n\n"
+                f"preference runs the highest tuned reward accuracy; for grpo runs the highest tuned mean "
+                f"reward.\n\n{table}\n\n"
                 f"{inline_png(image, 'eval loss per candidate')}\n\n"
                 f"Sweep folder on the worker: `{ranking.plan.dir}`\n")
     _markdown("sweep-comparison", markdown, f"sweep {ranking.plan.key}: {len(ranking.outcomes)} candidates ranked")

@@ -14,7 +14,7 @@ from tasks.registry.gate import gate
 from tasks.sweep.grid import Candidate, Plan
 
 # no candidate can lose to this: a candidate that does not beat it has no usable metric (a NaN loss)
-_WORST = {"tuned_eval_loss": math.inf, "tuned_reward_accuracy": -math.inf}
+_WORST = {"tuned_eval_loss": math.inf, "tuned_reward_accuracy": -math.inf, "tuned_mean_reward": -math.inf}
 
 
 @dataclass

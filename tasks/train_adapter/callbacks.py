@@ -26,6 +26,10 @@ class mark_complete(TrainerCallback):  # noqa: N801
         write_marker(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
 
 
+# what loss.jsonl keeps of a logged step; grpo's mean reward, KL and answer length too (TRL's names)
+LOGGED = ("loss", "learning_rate", "grad_norm", "reward", "reward_std", "kl", "completions/mean_length")
+
+
 class LossLog(TrainerCallback):
     """Appends one JSON line per logged step, the last step always among them; on resume, drops lines after the
     checkpoint's step.
@@ -58,7 +62,7 @@ class LossLog(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs and state.is_world_process_zero:
             entry = {"step": state.global_step, "epoch": round(state.epoch or 0, 4),
-                     **{k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}}
+                     **{k: logs[k] for k in LOGGED if k in logs}}
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
             if time.monotonic() - self.plotted >= self.PLOT_SECONDS:

@@ -121,7 +121,7 @@ def _rank_main(args_file: Path) -> None:
     """One rank: train (the Trainer sees torchrun's environment and uses DDP); rank 0 saves and reports."""
     import logging
 
-    from tasks.train_adapter import preference
+    from tasks.train_adapter import grpo, preference
     from tasks.train_adapter.fit import fit_and_save
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
@@ -140,7 +140,7 @@ def _rank_main(args_file: Path) -> None:
     out = Path(spec["out"])
     try:
         train = TrainArgs(**spec["train"])
-        fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
+        fit = {"sft": fit_and_save, "grpo": grpo.fit_and_save}.get(train.method, preference.fit_and_save)
         metrics = fit(LoraArgs(**spec["lora"]), train, SpeedArgs(**spec["speed"]),
                                              spec["data_dir"], spec["model_dir"], out)
     except UserError as exc:

@@ -15,23 +15,25 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 
-from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
+from tasks import rewards
+from tasks.config import GRPO_ONLY_FIELDS, LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.hashing.files import files_fingerprint
 from tasks.models.memory import allocator_restored
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, DataMetrics, read_manifest
+from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
 from tasks.pool.gpus import gpu_slot
 from tasks.pool.hosts import this_host
 from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.registry.init_adapter import resolve_adapter
 from tasks.reporting import tracking
-from tasks.train_adapter import launch, preference
+from tasks.train_adapter import grpo, launch, preference
 from tasks.train_adapter.fit import fit_and_save
 from tasks.train_adapter.levers import liger, parallel
 from tasks.train_adapter.resume import latest_checkpoint
@@ -50,12 +52,19 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
     if data is None:
         raise RuntimeError(f"{data_dir} has no valid manifest.json: its stage did not finish")
     keyed = {"train_data": data.hashes["train.parquet"]}
+    if train.method == "grpo":  # the user's reward functions' code: editing one retrains
+        keyed.update({f"reward:{name}": digest for name, digest in rewards.fingerprint(train).items()})
     if train.init_adapter:  # its content, not its name: a new champion is a new starting point
         folder = resolve_adapter(train.init_adapter, runs_dir)
         keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
     return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir, located=("train.init_adapter",),
-                     params={"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()},
+                     params={"lora": lora.model_dump(), "train": _train_params(train), "speed": speed.model_dump()},
                      upstream={"prepare_model": Path(model_dir)}, fingerprint=keyed)
+
+
+def _train_params(train: TrainArgs) -> dict[str, Any]:
+    """train as keyed: grpo's own fields only for grpo, so that adding them left the other methods' keys unchanged."""
+    return train.model_dump(exclude=set(GRPO_ONLY_FIELDS) if train.method != "grpo" else None)
 
 
 @task(name="train_adapter", **stage_task_options(spec))
@@ -64,7 +73,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
     """Train a LoRA adapter on the 4-bit base model, resuming from the latest checkpoint."""
     if not train.init_adapter:  # an init adapter brings its own target modules
         check_target_modules(lora.target_modules, Path(model_dir))
-    check_method(train.method, Path(data_dir))
+    check_method(train, Path(data_dir))
     keep = ("checkpoints", "loss.jsonl", tracking.REFS)  # an interrupted run resumes from these (in the same runs)
     with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
         if stage.done:
@@ -82,7 +91,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes, devices,
                                         threads)
             else:
-                fit = preference.fit_and_save if train.method != "sft" else fit_and_save  # dpo/kto: TRL's
+                fit = {"sft": fit_and_save, "grpo": grpo.fit_and_save}.get(train.method, preference.fit_and_save)
                 # evaluate_adapter and export_adapter may run next in this process: put its state back
                 with allocator_restored(), liger.patches_undone():
                     metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
@@ -110,16 +119,30 @@ def check_target_modules(target_modules: list[str] | str, model_dir: Path) -> No
         )
 
 
-def check_method(method: str, data_dir: Path) -> None:
-    """Fail before training when the data's format does not fit train.method (pairs for sft, text for dpo)."""
+def check_method(train: TrainArgs, data_dir: Path) -> None:
+    """Fail before training when the data's format does not fit train.method (pairs for sft, text for dpo, prompts
+    for grpo), or grpo's built-in rewards read a column the prompts lack."""
     made = read_manifest(data_dir)
-    fmt = made.metrics.format if made is not None and isinstance(made.metrics, DataMetrics) else None
-    if fmt is None or (fmt in PREFERENCE_FORMATS) == (method != "sft"):
+    metrics = made.metrics if made is not None and isinstance(made.metrics, DataMetrics) else None
+    fmt, method = metrics.format if metrics else None, train.method
+    if fmt is None:
+        return
+    wanted = "prompts" if method == "grpo" else "preference" if method in ("dpo", "kto") else "sequences"
+    found = "prompts" if fmt in PROMPT_FORMATS else "preference" if fmt in PREFERENCE_FORMATS else "sequences"
+    if wanted == found:
+        if method == "grpo" and (missing := sorted(rewards.needs(train) - set(metrics.prompt_columns or ()))):
+            raise UserError(f"train.rewards {', '.join(train.rewards)} read the column(s) {', '.join(missing)}, "
+                            f"which the prompts lack (they have: {', '.join(metrics.prompt_columns or ()) or 'none'})."
+                            " Add the column, map one onto it with data.column_mapping, or choose other rewards.")
         return
     if method == "sft":
-        raise UserError(f"The data is in the {fmt} format (preference data), but train.method is sft. Set "
-                        "train.method to dpo (pairs) or kto (pairs or rated answers), or point data.source at "
-                        "instruction, chat or text data.")
+        raise UserError(f"The data is in the {fmt} format ({found} data), but train.method is sft. Set "
+                        "train.method to dpo (pairs), kto (pairs or rated answers) or grpo (prompts), or point "
+                        "data.source at instruction, chat or text data.")
+    if method == "grpo":
+        raise UserError(f"train.method=grpo samples answers to prompts, but the data is in the {fmt} format. Give "
+                        "rows with a prompt column (and the columns your rewards read, e.g. answer; "
+                        "docs/preference.md), or set train.method to one that trains on this data.")
     raise UserError(f"train.method={method} trains on preference data, but the data is in the {fmt} format. Give "
-                    "prompt/chosen/rejected pairs or prompt/completion/label rows (README: Preference tuning), or "
+                    "prompt/chosen/rejected pairs or prompt/completion/label rows (docs/preference.md), or "
                     "set train.method=sft.")

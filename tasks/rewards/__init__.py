@@ -1,0 +1,171 @@
+"""GRPO's reward functions (train.method grpo): the built-ins in REWARDS, the user's own from allowed modules.
+
+A reward function takes TRL's keywords, prompts, completions (texts), completion_ids, and the prompt rows' other
+columns (`answer`, ...) as lists, and returns one float per completion (None: no opinion, NaN to TRL). The same
+functions score training's sampled answers (train_adapter) and the held-out greedy answers of base, tuned and
+champion (evaluate_adapter), so a run is judged on what it learned from.
+
+A built-in is one function in builtin.py and one entry in REWARDS. A user's function is named `module:function` and
+loads only from a module the deployment's operator allows in the environment variable QLORA_REWARD_MODULES of the
+process that runs the flow (comma-separated module names; `pkg` allows pkg and its submodules): a run form cannot set
+it, so a UI user cannot make the worker run code by typing a module path. `check` refuses anything else before any
+stage runs. The functions' source is part of train_adapter's cache key (`fingerprint`), so editing one retrains.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.config import TrainArgs
+from tasks.errors import UserError
+from tasks.rewards import builtin
+
+ALLOW_VARIABLE = "QLORA_REWARD_MODULES"
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One built-in as train.rewards names it; `make` binds its settings (train.reward_pattern, ...)."""
+
+    name: str
+    make: Callable[[TrainArgs], Callable[..., list[float | None]]]
+    needs: tuple[str, ...] = ()  # data columns it reads
+
+
+REWARDS: tuple[Reward, ...] = (
+    Reward("answer_match", lambda _: builtin.answer_match, needs=("answer",)),
+    Reward("numeric_match", lambda _: builtin.numeric_match, needs=("answer",)),
+    Reward("format", lambda train: functools.partial(builtin.format_match, pattern=train.reward_pattern)),
+    Reward("length_penalty", lambda train: functools.partial(builtin.length_penalty,
+                                                             most=train.max_completion_length)),
+)
+BUILT_IN = {r.name: r for r in REWARDS}
+
+
+def allowed_modules() -> list[str]:
+    """The modules the deployment allows user reward functions from (QLORA_REWARD_MODULES)."""
+    return [m.strip() for m in os.environ.get(ALLOW_VARIABLE, "").split(",") if m.strip()]
+
+
+def check(train: TrainArgs) -> None:
+    """Before any stage: every name in train.rewards is a built-in or an allowed module's function that loads;
+    one UserError listing every problem."""
+    if train.method != "grpo":
+        return
+    problems = []
+    for name in train.rewards:
+        try:
+            _function(name, train)
+        except UserError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise UserError("train.rewards cannot be used: " + " ".join(problems))
+
+
+def load(train: TrainArgs) -> list[Callable[..., list[float | None]]]:
+    """train.rewards as callables, each named for its entry (TRL logs rewards/<name>/mean)."""
+    return [_named(_function(name, train), name) for name in train.rewards]
+
+
+def fingerprint(train: TrainArgs) -> dict[str, str]:
+    """{reward name: sha256 of its function's source} for the functions outside this package (the built-ins are
+    the pipeline's code, versioned with it); editing one changes train_adapter's key."""
+    return {name: hashlib.sha256(_source(_function(name, train)).encode()).hexdigest()
+            for name in train.rewards if name not in BUILT_IN}
+
+
+def needs(train: TrainArgs) -> set[str]:
+    """The data columns the built-ins in train.rewards read."""
+    return {column for name in train.rewards if name in BUILT_IN for column in BUILT_IN[name].needs}
+
+
+def _function(name: str, train: TrainArgs) -> Callable[..., list[float | None]]:
+    if name in BUILT_IN:
+        return BUILT_IN[name].make(train)
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise UserError(f"{name!r} is neither a built-in reward ({', '.join(BUILT_IN)}) nor module:function.")
+    allowed = allowed_modules()
+    if not any(module == a or module.startswith(a + ".") for a in allowed):
+        raise UserError(
+            f"{name!r} is from module {module}, which the deployment does not allow (allowed: "
+            f"{', '.join(allowed) or 'none'}). The operator allows a module in the environment variable "
+            f"{ALLOW_VARIABLE} of the worker that runs the flow (comma-separated module names, e.g. "
+            f"{ALLOW_VARIABLE}={module}); a run form cannot, so that a UI user cannot make the worker run code.")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise UserError(f"{name!r}: module {module} does not import ({exc}); put it on the worker's "
+                        "PYTHONPATH.") from None
+    except AttributeError:
+        raise UserError(f"{name!r}: module {module} has no {attr}.") from None
+    if not callable(found):
+        raise UserError(f"{name!r}: {module}.{attr} is not a function.")
+    return found
+
+
+def _source(func: Callable[..., Any]) -> str:
+    """The code of a user's reward function: its whole module's source (helpers it calls are part of it)."""
+    try:
+        return inspect.getsource(inspect.getmodule(func) or func)
+    except (OSError, TypeError):
+        return repr(func)
+
+
+def _named(func: Callable[..., list[float | None]], name: str) -> Callable[..., list[float | None]]:
+    """`func` checked as it is called: an exception or a wrong number of rewards is one UserError naming it."""
+
+    def call(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
+        try:
+            out = list(func(prompts=prompts, completions=completions, **columns))
+        except Exception as exc:  # noqa: BLE001 - the user's code: any error is theirs to fix, said once
+            raise UserError(f"The reward function {name} raised {type(exc).__name__}: {exc}. Fix the function (it "
+                            "gets prompts, completions, completion_ids and the data's other columns as keyword "
+                            "lists) and run again; training resumes from its latest checkpoint.") from None
+        bad = [r for r in out if r is not None and not isinstance(r, (int, float))]
+        if len(out) != len(completions) or bad:
+            got = f"{len(out)} values" if len(out) != len(completions) else f"values such as {bad[0]!r}"
+            raise UserError(f"The reward function {name} returned {got} for {len(completions)} answers: it must "
+                            "return one number (or None) per answer, in order. Fix it and run again.")
+        return [None if r is None or (isinstance(r, float) and math.isnan(r)) else float(r) for r in out]
+
+    call.__name__ = name.replace(":", ".")
+    return call
+
+
+def columns_of(rows: list[str]) -> dict[str, list[Any]]:
+    """prepare_data's `columns` (one JSON object per prompt row) as keyword lists, a missing key None."""
+    import json
+
+    decoded = [json.loads(r) for r in rows]
+    names = sorted({k for d in decoded for k in d})
+    return {name: [d.get(name) for d in decoded] for name in names}
+
+
+def for_trl(func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
+    """A reward function as GRPOTrainer calls it: the rows' `columns` JSON decoded into keyword lists; TRL's own
+    extras (trainer_state, log_extra, log_metric) left out, so a function sees in training what it sees in
+    evaluation."""
+
+    def call(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], columns: list[str],
+             **_: Any) -> list[float | None]:
+        return func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns_of(columns))
+
+    call.__name__ = func.__name__
+    return call
+
+
+def score(funcs: list[Callable[..., list[float | None]]], prompts: list[str], completions: list[str],
+          completion_ids: list[list[int]], columns: list[str]) -> dict[str, list[float | None]]:
+    """Each function's rewards for (prompt, completion) rows, by name (evaluate_adapter)."""
+    keywords = columns_of(columns)
+    return {f.__name__: f(prompts=prompts, completions=completions, completion_ids=completion_ids, **keywords)
+            for f in funcs}

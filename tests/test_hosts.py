@@ -135,7 +135,7 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory, stages: dict[str, Any]) 
                 workers.append(subprocess.Popen(
                     [sys.executable, "-m", "deployments.cli", "worker", "--host", host], env=base, cwd=tmp_path,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            yield {"url": url, "logs": tmp_path, "runs": tmp_path / "runs", **stages}
+            yield {**stages, "url": url, "logs": tmp_path, "runs": tmp_path / "runs"}  # not the shared stages' runs_dir
     finally:
         for proc in workers:
             stop_group(proc)

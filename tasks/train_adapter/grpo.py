@@ -17,7 +17,6 @@ gradient_accumulation_steps), so a resumed run samples what the uninterrupted on
 from __future__ import annotations
 
 import functools
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
                  ) -> dict[str, Any]:
     """Train with GRPO here (alone, or as one rank of a data-parallel group); the main process saves."""
     from tasks.train_adapter.fit import outcome, progress
+    from tasks.train_adapter.preference import save_adapter
 
     dataset = _dataset(Path(data_dir) / "train.parquet")
     trainer = _trainer(lora, train, speed, dataset, out, Path(model_dir))
@@ -41,13 +41,9 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
     if resume is not None:
         logger().info("train_adapter: resuming from %s", resume.name)
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    model = trainer.model
     throughput = progress(trainer).summary()
-    if trainer.is_world_process_zero():
-        model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
-        (out / "adapter" / "README.md").unlink(missing_ok=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": "grpo",
+    save_adapter(trainer, out)
+    return {**throughput, **outcome(trainer, trainer.model, result, len(dataset), train), "method": "grpo",
             "rewards": list(train.rewards), **_last_rewards(trainer)}
 
 

@@ -71,10 +71,7 @@ def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: s
             torch.cuda.empty_cache()
     model = trainer.model
     throughput = progress(trainer).summary()
-    if trainer.is_world_process_zero():
-        model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
-        (out / "adapter" / "README.md").unlink(missing_ok=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    save_adapter(trainer, out)
     return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method,
             "padding_free": batches.padding_free, "micro_batches_per_epoch": batches.packs,
             "memory_plan": batches.memory_plan}
@@ -100,6 +97,14 @@ def _dataset(path: Path, train: TrainArgs) -> Any:
         random.Random(train.seed).shuffle(unpaired)
         return Dataset.from_list(unpaired)
     return Dataset(table)
+
+
+def save_adapter(trainer: Any, out: Path) -> None:
+    """A TRL trainer's adapter into out/adapter, from the main process only, and its checkpoints removed."""
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
+        (out / "adapter" / "README.md").unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
 def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, out: Path, model_dir: Path

@@ -223,3 +223,19 @@ def flow_run_in(state: Any) -> Any:
         run = client.create_flow_run(qlora_pipeline, parameters={})
         client.set_flow_run_state(run.id, state, force=True)
         return client.read_flow_run(run.id)
+
+
+def flow_run_logs(state: Any) -> list[Any]:
+    """The log records the API holds for the flow run that ended in `state`, once the local handlers have sent
+    theirs (the API log handler sends in batches)."""
+    import logging
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.flush()
+    with get_client(sync_client=True) as client:
+        return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])))

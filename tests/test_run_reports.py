@@ -15,7 +15,7 @@ import pytest
 
 from deployments.cli import _print_summary
 from tasks.errors import UserError
-from tests.conftest import flow_run_in, run_flow, small_overrides, statuses
+from tests.conftest import flow_run_in, flow_run_logs, run_flow, small_overrides, statuses
 
 
 def test_summary_names_the_resumed_step_and_the_reward_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,8 +135,7 @@ def test_a_retried_attempt_updates_the_runs_one_progress_bar(prefect_env: Path) 
 
 
 def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path) -> None:
-    from prefect import flow, get_client, task
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect import flow, task
 
     from tasks.log import quiet_user_errors
 
@@ -150,13 +149,7 @@ def test_a_user_error_reaches_the_run_log_without_a_traceback(prefect_env: Path)
 
     state = user_error(return_state=True)
     assert state.is_failed()
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        for handler in logging.getLogger(name).handlers:
-            handler.flush()  # the API log handler sends in batches
-    with get_client(sync_client=True) as client:
-        client_logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[state.state_details.flow_run_id])))
-    text = "\n".join(log.message for log in client_logs)
+    text = "\n".join(log.message for log in flow_run_logs(state))
     assert "x_proj" in text and "Traceback" not in text, text
     # once: not again in each failed state it passes through; and no line per hook run
     assert text.count("x_proj") == 1 and "Running hook" not in text and "finished running" not in text, text

@@ -18,6 +18,7 @@ from packaging.version import Version
 from tasks import tested_versions
 from tasks.config import PROJECT_ROOT, TrackArgs
 from tasks.tested_versions import CONSTRAINTS, KEY_LIBRARIES, warn_untested_versions
+from tests.conftest import flow_run_logs
 
 EXTRAS = {"dev", "tracking", "serving"}  # the README's install line
 
@@ -85,9 +86,6 @@ def test_a_drift_is_one_warning_naming_each_library_and_nothing_when_equal(
 def test_a_flow_run_logs_the_drift_before_any_stage(prefect_env: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The flow's first line; the run then fails on its missing data, as it would have anyway."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.config import load_config
 
@@ -95,13 +93,7 @@ def test_a_flow_run_logs_the_drift_before_any_stage(prefect_env: Path, tmp_path:
     config = load_config(None, [f"runs_dir={tmp_path / 'runs'}", f"data.source={tmp_path / 'none.jsonl'}"])
     state = qlora_pipeline(config=config, return_state=True)
     assert state.is_failed()
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        for handler in logging.getLogger(name).handlers:
-            handler.flush()  # the API log handler sends in batches
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[state.state_details.flow_run_id])))
-    drift = [log for log in logs if "differ from the tested versions" in log.message]
+    drift = [log for log in flow_run_logs(state) if "differ from the tested versions" in log.message]
     assert len(drift) == 1 and f"trl {metadata.version('trl')} (tested 0.0.1)" in drift[0].message
 
 

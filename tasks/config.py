@@ -430,6 +430,15 @@ class SpeedArgs(_Section):
         1, description="Training processes, one per GPU, each with a copy of the adapter (data parallel): a number, "
         "or every visible GPU (auto). Without GPUs, a number above 1 runs that many CPU processes.",
     )
+    num_nodes: int = Field(
+        1, ge=1, description="GPU hosts to train this one adapter across, speed.num_gpus processes on each (DDP, or "
+        "FSDP with fsdp): hosts of one Prefect server with a shared runs_dir, whose workers start one node of the "
+        "training each (docs/multi-gpu.md, \"Several hosts\"). 1: the host that runs the flow.",
+    )
+    node_join_timeout_s: int = Field(
+        600, ge=10, description="With num_nodes above 1: how long the training waits for every host's node to start "
+        "and join before it fails, naming the hosts that did not, and frees every GPU it took.",
+    )
     fsdp: bool = Field(
         False, description="With several GPUs: split the 4-bit base model, the adapters and their optimizer state "
         "across the GPUs (FSDP) instead of a full copy on each, for models whose training does not fit one GPU. "
@@ -715,7 +724,7 @@ class RunConfig(_Section):
             "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
         _rule({"train.method": {"enum": ["grpo"]}}, {
             "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]},
-            "speed.num_gpus": {"enum": [1]}}),
+            "speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}}),
         _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
                 {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
@@ -794,15 +803,24 @@ class RunConfig(_Section):
         if not self.train.rewards:
             raise ValueError("train.method=grpo learns from rewards, but train.rewards is empty: name at least one, "
                              "e.g. [format] or [numeric_match] (docs/preference.md)")
-        if self.speed.num_gpus != 1:
+        if self.speed.num_gpus != 1 or self.speed.num_nodes != 1:
             raise ValueError(f"train.method=grpo trains in one process here (several are not tried with TRL's "
-                             f"GRPOTrainer), but speed.num_gpus is {self.speed.num_gpus}; set speed.num_gpus=1")
+                             f"GRPOTrainer), but speed.num_gpus is {self.speed.num_gpus} and speed.num_nodes "
+                             f"{self.speed.num_nodes}; set both to 1")
         answers = self.train.per_device_train_batch_size * self.train.gradient_accumulation_steps
         if answers % self.train.num_generations:
             raise ValueError(f"train.method=grpo samples train.num_generations={self.train.num_generations} answers "
                              f"per prompt, which must divide the answers of an optimizer step "
                              f"(per_device_train_batch_size x gradient_accumulation_steps = {answers}); e.g. set "
                              f"train.per_device_train_batch_size={self.train.num_generations}")
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> RunConfig:
+        if self.speed.num_nodes > 1 and self.speed.num_gpus == "auto":
+            raise ValueError(f"speed.num_nodes={self.speed.num_nodes} trains on speed.num_gpus GPUs of each host, "
+                             "which must be a number: the hosts other than this one are not asked how many they "
+                             "have. Set speed.num_gpus to 1 or more.")
+        return self
 
     @model_validator(mode="after")
     def _check_fsdp(self) -> RunConfig:

@@ -107,13 +107,16 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory, stages: dict[str, Any]) 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.train_candidate import train_candidate
+    from flows.train_node import train_node
     from tests.host_training import host_training
 
     tmp_path = tmp_path_factory.mktemp("hosts")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     base = {**cli_env(tmp_path / "client"), "PREFECT_API_URL": url, "PYTHONPATH": str(PROJECT_ROOT),
-            "CUDA_VISIBLE_DEVICES": "0,1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+            "CUDA_VISIBLE_DEVICES": "0,1", "PREFECT_WORKER_QUERY_SECONDS": "1",
+            # a training across the two hosts: its rendezvous and gloo on localhost
+            "QLORA_NODE_ADDRESS": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     base.pop("QLORA_CPU_THREADS", None)
     base.pop("OMP_NUM_THREADS", None)
     server = start_prefect_server(tmp_path / "prefect", port)
@@ -130,26 +133,30 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory, stages: dict[str, Any]) 
                 name="hosts", work_pool_name="qlora-process", print_next_steps=False)
             train_candidate.from_source(str(PROJECT_ROOT), "flows/train_candidate.py:train_candidate").deploy(
                 name="candidate", work_pool_name="qlora-process", print_next_steps=False)
+            train_node.from_source(str(PROJECT_ROOT), "flows/train_node.py:train_node").deploy(
+                name="train", work_pool_name="qlora-process", print_next_steps=False)
             for host in ("a", "b"):
                 log = (tmp_path / f"worker-{host}.log").open("w")
                 workers.append(subprocess.Popen(
                     [sys.executable, "-m", "deployments.cli", "worker", "--host", host], env=base, cwd=tmp_path,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            yield {**stages, "url": url, "logs": tmp_path, "runs": tmp_path / "runs"}  # not the shared stages' runs_dir
+            yield {**stages, "url": url, "logs": tmp_path, "runs": tmp_path / "runs",  # not the shared stages' runs_dir
+                   "env": base}
     finally:
         for proc in workers:
             stop_group(proc)
         stop_group(server)
 
 
-def _start(seed: int, fixture: dict[str, Any], host: str | None = None) -> Any:
-    """A run of the deployment, placed as `qlora-pipeline start [--host]` places it (deployments/watch.py)."""
+def _start(seed: int, fixture: dict[str, Any], host: str | None = None, **more: Any) -> Any:
+    """A run of the deployment, placed as `qlora-pipeline start [--host]` places it (deployments/watch.py); `more`:
+    host_training's other parameters."""
     from prefect import get_client
 
     from tasks.pool.hosts import placement
 
     params = {"runs_dir": str(fixture["runs"]), "data_dir": fixture["data"], "model_dir": fixture["model"],
-              "seed": seed}
+              "seed": seed, **more}
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("host-training/hosts")
         placed = placement(client, dep.work_pool_name, host)
@@ -267,3 +274,143 @@ def test_a_sweeps_candidates_train_on_every_host_with_free_gpus(two_hosts: dict[
     ends = [m.started_at + m.seconds for m in manifests]
     assert max(starts) < min(ends), (starts, ends)  # all four trained at the same time
     assert all(c["status"] == "finished" and c["metrics"]["tuned_eval_loss"] for c in candidates), candidates
+
+
+def _stage_of(run_id: Any, runs: Path) -> Path | None:
+    """The stage folder of a training across hosts started by flow run `run_id` (its plan names the run)."""
+    import json
+
+    for plan in runs.glob("train_adapter/*/.nodes.json"):
+        if json.loads(plan.read_text())["parent"] == str(run_id):
+            return plan.parent
+    return None
+
+
+def _node_runs(parent: Any) -> list[Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"node-of:{parent}"])))
+
+
+def _held(hosts: tuple[str, ...]) -> dict[str, int]:
+    """Active slots of every GPU limit of `hosts` that has any."""
+    return {name: limit.active_slots for name, limit in _limits().items()
+            if limit.active_slots and any(name.startswith(f"qlora-gpu@{h}") for h in hosts)}
+
+
+@pytest.mark.slow  # a 2-node training through both workers, and the 1-process run of the same global batch
+def test_one_adapter_trains_across_two_hosts(two_hosts: dict[str, Any], tmp_path: Path) -> None:
+    """speed.num_nodes=2: the run (taken by host a) holds a GPU of each host's pool, starts a node run on host b's
+    queue, and both train one adapter under torchrun's c10d rendezvous: 2 processes, the same global batch of 8 as
+    the 1-process run, a loss within tests/test_multinode.py's tolerance of it, every slot free after."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from safetensors.torch import load_file
+
+    from tasks.config import SpeedArgs
+    from tasks.train_adapter.stage import train_adapter
+    from tests.host_training import HOST_LORA, host_train_args
+
+    runs = two_hosts["logs"] / "node-runs"
+    fixture = {**two_hosts, "runs": runs}
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+        run = _start(11, fixture, host="a", num_nodes=2, max_steps=8, per_device=4, learning_rate=2e-3)
+        _wait(lambda: _run(run.id).state.type.value in FINAL, 400, "the 2-node run did not end")
+        state = _run(run.id).state
+        log = _log(run.id)
+        nodes = _node_runs(run.id)
+        assert state.type.value == "COMPLETED", (state, log[-3000:])
+        assert [n.state.type.value for n in nodes] == ["COMPLETED"], nodes
+        node_log = _log(nodes[0].id)
+        assert _held(("a", "b")) == {}
+    assert "Worker 'qlora-b' submitting" in node_log, node_log[-2000:]
+    stage = _stage_of(run.id, runs)
+    made = read_manifest(stage).metrics
+    assert made.processes == 2 and made.sharding == "ddp" and made.optimizer_steps == 8, made
+    assert [(n["node"], n["host"], len(n["devices"])) for n in made.nodes] == [(0, "a", 1), (1, "b", 1)], made.nodes
+    assert made.host == "a" and made.devices == made.nodes[0]["devices"]
+
+    one = Path(train_adapter.fn(HOST_LORA, host_train_args(11, 8, 8, 2e-3), SpeedArgs(packing=False), tmp_path,
+                                two_hosts["data"], two_hosts["model"]))
+    single = read_manifest(one).metrics
+    shapes = {k: v.shape for k, v in load_file(stage / "adapter" / "adapter_model.safetensors").items()}
+    assert shapes == {k: v.shape for k, v in load_file(one / "adapter" / "adapter_model.safetensors").items()}
+    # the same global batch of 8 (4 on each node), another example order: close, not identical
+    assert abs(made.train_loss - single.train_loss) < 0.1 * single.train_loss, (made, single)
+
+
+@pytest.mark.slow  # a third host without a worker: the acquisition waits all-or-nothing, then its node never joins
+def test_a_training_across_hosts_waits_holding_nothing_and_fails_when_a_node_never_joins(
+        two_hosts: dict[str, Any]) -> None:
+    """Hosts b and c full: the 2-node run waits as "Waiting for GPU" holding no slot of its own host a. c freed: it
+    takes a and c at once, but c has no worker, so its node never starts: the run fails within the join timeout
+    naming host c, cancels that node run and leaves every slot free."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    done = _qlora(["setup", "--gpus", "2", "--host", "c"], two_hosts["env"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    fixture = {**two_hosts, "runs": two_hosts["logs"] / "node-runs"}
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}), get_client(sync_client=True) as client:
+        full = {h: client.increment_concurrency_slots_with_lease(
+            names=[f"qlora-gpu@{h}"], slots=2, mode="concurrency", lease_duration=300).json()["lease_id"]
+            for h in ("b", "c")}
+        try:
+            run = _start(12, fixture, host="a", num_nodes=2, join_timeout=15)
+            _wait(lambda: (s := _run(run.id).state).type.value == "PENDING" and s.name == WAITING_STATE, 120,
+                  "the run did not wait for GPUs: " + _log(run.id)[-2000:])
+            time.sleep(4)
+            assert _held(("a",)) == {}, "a waiting run holds GPUs of its own host"
+            assert _run(run.id).state.name == WAITING_STATE
+            client.release_concurrency_slots_with_lease(lease_id=full.pop("c"))
+            _wait(lambda: "holds GPU(s)" in _log(run.id), 60, "the run did not take the GPUs once c was free")
+            took = time.monotonic()
+            _wait(lambda: _run(run.id).state.type.value in FINAL, 120, "the run did not end")
+            failed_after = time.monotonic() - took
+            state, log, nodes = _run(run.id).state, _log(run.id), _node_runs(run.id)
+            assert state.type.value == "FAILED", (state, log[-3000:])
+            assert failed_after < 15 + 20, failed_after  # the join timeout, a poll and the flow's end
+            said = " ".join(log.split())
+            assert "did not all join within speed.node_join_timeout_s=15: not started on host 'c'" in said, said
+            assert [n.state.type.value for n in nodes] == ["CANCELLED"], nodes
+            assert nodes[0].work_queue_name == "host-c"
+            _wait(lambda: _held(("a", "c")) == {}, 10, f"slots left held: {_held(('a', 'c'))}")
+        finally:
+            for lease in full.values():
+                client.release_concurrency_slots_with_lease(lease_id=lease)
+            for name in [n for n in _limits() if n.startswith("qlora-gpu@c") or n == "qlora-cpu@c"]:
+                client.delete_global_concurrency_limit_by_name(name)
+            client.delete_work_queue_by_id(client.read_work_queue_by_name("host-c", "qlora-process").id)
+
+
+@pytest.mark.slow  # a long 2-node training, cancelled from the server as the UI's Cancel does
+def test_cancelling_a_training_across_hosts_stops_its_node_runs(two_hosts: dict[str, Any]) -> None:
+    """Cancelling the run while both nodes train stops the node run on host b too: no rank of it is left running,
+    and every slot of both hosts is free."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    runs = two_hosts["logs"] / "node-runs"
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+        run = _start(13, {**two_hosts, "runs": runs}, host="a", num_nodes=2, max_steps=100_000)
+        _wait(lambda: (stage := _stage_of(run.id, runs)) is not None and (stage / "loss.jsonl").exists()
+              and (stage / "loss.jsonl").read_text().count("\n") >= 2, 240,
+              "the 2-node training did not start: " + _log(run.id)[-2000:])
+        stage = _stage_of(run.id, runs)
+        (node,) = _node_runs(run.id)
+        assert _run(node.id).state.type.value == "RUNNING"
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run.id, Cancelling(), force=True)
+        _wait(lambda: _run(node.id).state.type.value in FINAL, 60, "the node run did not stop")
+        _wait(lambda: _run(run.id).state.type.value in FINAL, 60, "the run did not stop")
+        assert _run(run.id).state.type.value == "CANCELLED"
+        assert _run(node.id).state.type.value in ("CANCELLED", "FAILED"), _run(node.id).state
+
+        def ranks() -> str:
+            return subprocess.run(["pgrep", "-af", str(stage / ".distributed-args.json")], capture_output=True,
+                                  text=True).stdout
+
+        _wait(lambda: ranks() == "", 10, f"ranks left running: {ranks()}")
+        _wait(lambda: _held(("a", "b")) == {}, 70, f"slots left held: {_held(('a', 'b'))}")

@@ -118,6 +118,8 @@ class TrainMetrics(_Metrics):
     gpu_wait_seconds: float | None = None  # of the stage's seconds, waiting for the GPU slot (other runs' training)
     devices: list[str] | None = None  # the GPUs of the pool it trained on (CUDA_VISIBLE_DEVICES); None: no pool
     host: str | None = None  # the GPU host whose pool gave them (QLORA_HOST); None: a single host without a name
+    # speed.num_nodes > 1: each node's host and devices, node 0 (this run's host) first (tasks/train_adapter/nodes.py)
+    nodes: list[dict[str, Any]] | None = None
 
 
 class ChampionScores(_Metrics):

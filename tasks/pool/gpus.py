@@ -37,6 +37,7 @@ holders of a global limit, so which run holds a GPU is in that run's log ("holds
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -48,15 +49,16 @@ from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 from tasks.pool.cpus import host_cores
 from tasks.pool.hosts import WAITING_STATE, on_host, this_host
-from tasks.pool.leases import LEASE_SECONDS, check_server_leases, hold, uses_server
+from tasks.pool.leases import LEASE_SECONDS, check_server_leases, hold, hold_first, uses_server
 
 GPU_LIMIT = "qlora-gpu"  # created by `qlora-pipeline setup` (and by `qlora-pipeline run` when missing)
 PLACEMENT_LIMIT = "qlora-gpu-placement"
 
 
-def gpu_limit() -> str:
-    """This host's counting limit: GPU_LIMIT, named for the host where QLORA_HOST is set (hosts.py)."""
-    return on_host(GPU_LIMIT, this_host())
+def gpu_limit(host: str | None = None) -> str:
+    """The counting limit of `host`, by default this one: GPU_LIMIT, named for the host where it has a name
+    (QLORA_HOST, hosts.py)."""
+    return on_host(GPU_LIMIT, host or this_host())
 
 
 def placement_limit() -> str:
@@ -149,16 +151,60 @@ def gpu_slot(gpus: int = 1) -> Iterator[list[str] | None]:
             waiting.over()
             yield None
             return
-        names = visible_gpus()
-        if len(names) < size:
-            raise UserError(f"The GPU pool ({gpu_limit()!r}) has {size} slots, but this worker sees {len(names)} "
-                            f"GPU(s) ({', '.join(names) or 'none'}). Run `qlora-pipeline setup --gpus "
-                            f"{len(names)}` (or start the worker where CUDA_VISIBLE_DEVICES lists {size} GPUs).")
-        mine = [names[i] for i in _place(held, wanted, size, waiting)]
+        yield _devices(held, wanted, size, waiting)
+
+
+@contextmanager
+def held_devices(gpus: int) -> Iterator[list[str] | None]:
+    """This host's GPUs for `gpus` slots of its counting limit that another process holds for this one: a node of a
+    training across hosts, whose run took the slots of every host at once (fleet_slot). None where this host's pool
+    has no device limits (a CPU host: its processes train on CPU)."""
+    size, devices = _pool()
+    if not devices:
+        yield None
+        return
+    with ExitStack() as held:
+        yield _devices(held, gpus, size, _Waiting(gpus))
+
+
+def _devices(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[str]:
+    """Place the run holding `wanted` counting slots on as many free GPUs of this host (their device limits, taken
+    into `held`), and say which."""
+    names = visible_gpus()
+    if len(names) < size:
+        raise UserError(f"The GPU pool ({gpu_limit()!r}) has {size} slots, but this worker sees {len(names)} "
+                        f"GPU(s) ({', '.join(names) or 'none'}). Run `qlora-pipeline setup --gpus "
+                        f"{len(names)}` (or start the worker where CUDA_VISIBLE_DEVICES lists {size} GPUs).")
+    mine = [names[i] for i in _place(held, wanted, size, waiting)]
+    waiting.over()
+    logger().info("train_adapter: holds GPU(s) %s of the pool (%d of %d slots of %r; CUDA_VISIBLE_DEVICES=%s "
+                  "for its training processes)", ", ".join(mine), wanted, size, gpu_limit(), ",".join(mine))
+    return mine
+
+
+def host_gpus(host: str) -> int:
+    """The GPUs of `host`'s pool that a training across hosts can take: its size, 0 without device limits."""
+    size, devices = _pool(host)
+    return size if devices else 0
+
+
+@contextmanager
+def fleet_slot(hosts: list[str], nodes: int, gpus: int) -> Iterator[list[str]]:
+    """Hold `gpus` counting slots on each of `nodes` hosts, this host and nodes-1 of the other `hosts`, all at once
+    (hold_first: Prefect's bulk acquisition over their limits, all or nothing, so a run waiting for a full host
+    holds no GPU of another meanwhile). Yields the hosts held, this one first; their nodes place themselves on
+    their own GPUs (held_devices). Waits as gpu_slot does ("Waiting for GPU"). The caller checked that each host
+    has `gpus` GPUs (host_gpus)."""
+    from prefect.runtime import task_run
+
+    here = this_host()
+    others = [h for h in hosts if h != here]
+    choices = [tuple(gpu_limit(h) for h in (here, *rest)) for rest in itertools.combinations(others, nodes - 1)]
+    waiting = _Waiting(gpus, f"{gpu_limit(here)!r} and that of {nodes - 1} of the hosts {', '.join(others)}")
+    holder = UUID(str(task_run.id)) if task_run.id else None
+    with hold_first(choices, gpus, strict=True, critical=True, holder=holder, on_wait=waiting.start) as names:
         waiting.over()
-        logger().info("train_adapter: holds GPU(s) %s of the pool (%d of %d slots of %r; CUDA_VISIBLE_DEVICES=%s "
-                      "for its training processes)", ", ".join(mine), wanted, size, gpu_limit(), ",".join(mine))
-        yield mine
+        yield [here, *(name.split("@", 1)[1] for name in names[1:])]
 
 
 def pool_gpus() -> int:
@@ -171,19 +217,20 @@ def pool_gpus() -> int:
     return size if devices else 0
 
 
-def _pool() -> tuple[int, bool]:
-    """The pool's size and whether it has device limits; (1, False) when the limit is missing (the strict
-    acquisition then says what to do)."""
+def _pool(host: str | None = None) -> tuple[int, bool]:
+    """The pool's size and whether it has device limits, of `host` (by default this one); (1, False) when the limit
+    is missing (the strict acquisition then says what to do)."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
+    counting = gpu_limit(host)
     with get_client(sync_client=True) as client:
         try:
-            size = client.read_global_concurrency_limit_by_name(gpu_limit()).limit
+            size = client.read_global_concurrency_limit_by_name(counting).limit
         except ObjectNotFound:
             return 1, False
         try:
-            for name in (placement_limit(), *map(device_limit, range(size))):
+            for name in (f"{counting}-placement", *(f"{counting}-{i}" for i in range(size))):
                 client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:  # a CPU-only pool, or one set up before devices had limits
             return size, False
@@ -232,8 +279,9 @@ def _place(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list[i
 class _Waiting:
     """What a waiting training shows: said once when the wait starts, undone when it ends."""
 
-    def __init__(self, wanted: int) -> None:
+    def __init__(self, wanted: int, limits: str | None = None) -> None:
         self.wanted = wanted
+        self.limits = limits  # what it waits for, in words: this host's counting limit by default
         self.since: float | None = None
 
     def start(self) -> None:
@@ -242,10 +290,11 @@ class _Waiting:
         if self.since is not None:
             return
         self.since = time.monotonic()
+        limits = self.limits or repr(gpu_limit())
         logger().info("train_adapter: waiting for the GPU: other runs hold the slots of the global concurrency "
-                      "limit %r that it needs (%d); training starts when they end (or within %d s of them being "
-                      "killed)", gpu_limit(), self.wanted, LEASE_SECONDS)
-        state = Pending(name=WAITING_STATE, message=f"Waiting for {self.wanted} {gpu_limit()!r} slot(s)")
+                      "limit %s that it needs (%d); training starts when they end (or within %d s of them being "
+                      "killed)", limits, self.wanted, LEASE_SECONDS)
+        state = Pending(name=WAITING_STATE, message=f"Waiting for {self.wanted} slot(s) of {limits}")
         _set_task_state(state)
         _set_flow_state(state, only_if=_no_other_training)
 

@@ -86,19 +86,32 @@ def hold(name: str, slots: int, *, strict: bool, critical: bool, holder: UUID | 
     `strict` is off (nothing held). `on_wait` is called once, when the slots are taken and the run starts waiting.
     `critical`: a lost lease that cannot be re-claimed stops the run (GPU limits); else it is logged (counters).
     """
+    with hold_first([(name,)], slots, strict=strict, critical=critical, holder=holder, on_wait=on_wait) as names:
+        yield names is not None
+
+
+@contextmanager
+def hold_first(choices: list[tuple[str, ...]], slots: int, *, strict: bool, critical: bool, holder: UUID | None = None,
+               on_wait: Callable[[], None] | None = None) -> Iterator[tuple[str, ...] | None]:
+    """Hold `slots` slots of every limit of one of `choices` while in the block, all under one lease: the first
+    choice whose limits all have them free, taken in one step by Prefect's bulk acquisition (all or nothing: a
+    waiting run holds no slot of any of them). Yields the choice held; None when a limit does not exist and `strict`
+    is off. The rest as `hold`."""
     from prefect import get_client
 
     with get_client(sync_client=True) as client:
-        lease = _acquire(client, name, slots, holder, on_wait, reclaim=False, critical=critical)
-    if lease is None:
+        got = _acquire(client, choices, slots, holder, on_wait, reclaim=False, critical=critical)
+    if got is None:
         if strict:
-            raise UserError(f"The global concurrency limit {name!r} does not exist on this Prefect server; run "
-                            "`qlora-pipeline setup` once.")
-        yield False
+            named = ", ".join(repr(n) for n in dict.fromkeys(n for names in choices for n in names))
+            raise UserError(f"A global concurrency limit of {named} does not exist on this Prefect server; run "
+                            "`qlora-pipeline setup` once (on each host, with --host).")
+        yield None
         return
-    keeper = _Keeper(name, slots, holder, lease, critical)
+    names, lease = got
+    keeper = _Keeper(names, slots, holder, lease, critical)
     try:
-        yield True
+        yield names
     finally:
         keeper.release()
 
@@ -106,13 +119,14 @@ def hold(name: str, slots: int, *, strict: bool, critical: bool, holder: UUID | 
 class _Keeper:
     """Renews one lease from a daemon thread until released; re-claims it when the server no longer knows it."""
 
-    def __init__(self, name: str, slots: int, holder: UUID | None, lease: UUID, critical: bool) -> None:
-        self.name, self.slots, self.holder, self.lease, self.critical = name, slots, holder, lease, critical
+    def __init__(self, names: tuple[str, ...], slots: int, holder: UUID | None, lease: UUID, critical: bool) -> None:
+        self.names, self.slots, self.holder, self.lease, self.critical = names, slots, holder, lease, critical
+        self.name = ", ".join(names)  # as said in the log
         self.stop = threading.Event()
         self.lock = threading.Lock()  # the lease id changes on a re-claim; release reads it
         context = contextvars.copy_context()  # the run's logger in the thread
         self.thread = threading.Thread(target=context.run, args=(self._renew_until_released,), daemon=True,
-                                       name=f"lease-{name}")
+                                       name=f"lease-{self.name}")
         self.thread.start()
 
     def _renew_until_released(self) -> None:
@@ -135,7 +149,8 @@ class _Keeper:
 
     def _reclaim(self, client: Any) -> None:
         """The server no longer knows the lease: its slots are free (repaired or expired); take them again."""
-        lease = _acquire(client, self.name, self.slots, self.holder, None, reclaim=True, critical=self.critical)
+        got = _acquire(client, [self.names], self.slots, self.holder, None, reclaim=True, critical=self.critical)
+        lease = got[1] if got else None
         if lease is None and self.critical:
             raise SlotsLost(f"this run lost its lease on the global concurrency limit {self.name!r} while the "
                             f"Prefect server was away, and another run holds those slots now: stopping it so that "
@@ -183,20 +198,28 @@ def _no_client_retries() -> Any:
     return temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0})
 
 
-def _acquire(client: Any, name: str, slots: int, holder: UUID | None, on_wait: Callable[[], None] | None,
-             reclaim: bool, critical: bool) -> UUID | None:
-    """A new lease on `slots` slots of `name`, waiting while they are taken (a re-claim: one attempt); None when the
-    limit does not exist, or when a re-claim finds the slots taken. A critical limit (a GPU's) waits out the grace
-    period after a repair, unless this is a re-claim."""
+def _acquire(client: Any, choices: list[tuple[str, ...]], slots: int, holder: UUID | None,
+             on_wait: Callable[[], None] | None, reclaim: bool, critical: bool) -> tuple[tuple[str, ...], UUID] | None:
+    """A new lease on `slots` slots of each limit of the first of `choices` that has them free, and that choice;
+    waiting while none has (a re-claim: one attempt). None when a limit does not exist, or when a re-claim finds the
+    slots taken. A critical limit (a GPU's) waits out the grace period after a repair, unless this is a re-claim."""
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
     who = ConcurrencyLeaseHolder(type="task_run", id=holder) if holder else None
+    name = " or ".join(", ".join(names) for names in choices)  # as said in the log
     while True:
         taken = True
         try:
             grace = check_server_leases(client)
             if reclaim or not critical or grace <= 0:
-                return _lease(client, name, slots, who)
+                for names in choices:  # 423 (taken): the next choice; the last one's 423 waits below
+                    try:
+                        lease = _lease(client, names, slots, who)
+                    except Exception as exc:
+                        if names is choices[-1] or getattr(getattr(exc, "response", None), "status_code", 0) != 423:
+                            raise
+                        continue
+                    return (names, lease) if lease is not None else None
             delay = min(grace, RETRY_SECONDS)  # the runs that held slots before the repair re-claim them first
         except Exception as exc:  # noqa: BLE001 - 423: taken; 5xx or no answer: the server away, wait for it
             status = getattr(getattr(exc, "response", None), "status_code", None)
@@ -215,11 +238,11 @@ def _acquire(client: Any, name: str, slots: int, holder: UUID | None, on_wait: C
         time.sleep(delay)  # in the caller's thread: SIGTERM ends the wait here
 
 
-def _lease(client: Any, name: str, slots: int, holder: Any, seconds: float = LEASE_SECONDS) -> UUID | None:
-    response = client.increment_concurrency_slots_with_lease(names=[name], slots=slots, mode="concurrency",
+def _lease(client: Any, names: tuple[str, ...], slots: int, holder: Any, seconds: float = LEASE_SECONDS) -> UUID | None:
+    response = client.increment_concurrency_slots_with_lease(names=list(names), slots=slots, mode="concurrency",
                                                              lease_duration=seconds, holder=holder)
     body = response.json()
-    if not body["limits"]:  # no such limit: Prefect grants a lease on nothing; give it back
+    if len(body["limits"]) < len(set(names)):  # a limit missing: Prefect grants a lease on the others; give it back
         client.release_concurrency_slots_with_lease(lease_id=body["lease_id"])
         return None
     return UUID(body["lease_id"])
@@ -332,7 +355,7 @@ def _new_sentinel(client: Any, repaired: list[str], lost: str, previous: str | N
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=SENTINEL_LIMIT, limit=1))
     except ObjectAlreadyExists:
         pass
-    sentinel = _lease(client, SENTINEL_LIMIT, 1, None, SENTINEL_SECONDS)
+    sentinel = _lease(client, (SENTINEL_LIMIT,), 1, None, SENTINEL_SECONDS)
     value = {"sentinel": str(sentinel), "repaired_at": time.time() if repaired else None, "repaired": repaired,
              "token": _token(lost)}
     try:

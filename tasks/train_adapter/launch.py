@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ RESULT = ".rank0-result.json"  # rank 0's metrics, read by the parent
 USER_ERROR_PREFIX = "QLORA_USER_ERROR: "
 LAUNCHER_PID = "QLORA_LAUNCHER_PID"
 LOG = "distributed.log"  # the ranks' output, beside the checkpoints in the stage folder
+ARGS_FILE = ".distributed-args.json"  # what each rank trains (write_args)
 DUMP_STACKS_EVERY = "QLORA_DUMP_STACKS_EVERY"  # seconds; each rank then prints its Python stacks that often
 
 
@@ -43,10 +45,27 @@ def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, mo
     """Run the ranks under torchrun (one process without it); relay their output to the log; rank 0's metrics, or
     the failing rank's error. `devices`: the GPUs the pool gave this run, the only ones the ranks see; `threads`:
     torch's threads per rank."""
-    args_file = out / ".distributed-args.json"
+    args_file = write_args(lora, train, speed, data_dir, model_dir, out)
+    run_ranks(args_file, nproc, devices, threads)
+    return json.loads((out / RESULT).read_text())
+
+
+def write_args(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path) -> Path:
+    """The ranks' arguments, ARGS_FILE in the stage folder (every node of a training across hosts reads it there)."""
+    args_file = out / ARGS_FILE
     sections = {"lora": lora.model_dump(), "train": train.model_dump(), "speed": speed.model_dump()}
     args_file.write_text(json.dumps({**sections, "data_dir": data_dir, "model_dir": model_dir, "out": str(out)}))
     (out / RESULT).unlink(missing_ok=True)
+    return args_file
+
+
+def run_ranks(args_file: Path, nproc: int, devices: list[str] | None = None, threads: int | None = None,
+              rendezvous: list[str] | None = None, log_name: str = LOG,
+              started: Callable[[subprocess.Popen], None] | None = None) -> None:
+    """Run this host's `nproc` ranks on ARGS_FILE `args_file` (torchrun, standalone or with the `rendezvous`
+    arguments of a training across hosts; one process alone without either), their output relayed to the log and
+    kept whole in `log_name` beside it. Raises the failing rank's error. `started` gets the process once started."""
+    out = args_file.parent
     # the ranks are not Prefect runs: no run context, so no artifacts or GPU slot of their own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     if devices:  # set before the child starts: CUDA reads it once, when it initialises
@@ -54,15 +73,17 @@ def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, mo
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     env.update(OMP_NUM_THREADS=str(threads), **{THREADS_VARIABLE: str(threads)})
     rank = ["-m", "tasks.train_adapter.launch", str(args_file)]
-    command = [sys.executable, *rank] if nproc == 1 else [
-        sys.executable, "-m", "tasks.train_adapter.launch", "launch", str(os.getpid()), "--standalone",
-        f"--nproc_per_node={nproc}", *rank]
-    logger().info("train_adapter: %s on GPU(s) %s: %s", "one process" if nproc == 1 else
-                  f"data-parallel over {nproc} processes", ",".join(devices) if devices else "none (CPU)",
-                  " ".join(command[1:]))
+    command = [sys.executable, *rank] if nproc == 1 and not rendezvous else [
+        sys.executable, "-m", "tasks.train_adapter.launch", "launch", str(os.getpid()),
+        *(rendezvous or ["--standalone"]), f"--nproc_per_node={nproc}", *rank]
+    logger().info("train_adapter: %s on GPU(s) %s: %s", "one process" if nproc == 1 and not rendezvous else
+                  f"data-parallel over {nproc} processes" + (" on this host" if rendezvous else ""),
+                  ",".join(devices) if devices else "none (CPU)", " ".join(command[1:]))
     tail: deque[str] = deque(maxlen=40)
     with (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
-          (out / LOG).open("w", buffering=1) as log):  # the ranks' whole output, line by line (a killed run's too)
+          (out / log_name).open("w", buffering=1) as log):  # the ranks' whole output, line by line (a killed run's too)
+        if started:
+            started(proc)
         for line in proc.stdout:
             log.write(line)
             tail.append(line.rstrip())
@@ -73,9 +94,12 @@ def launch(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, mo
     if proc.returncode != 0:
         if "user_error" in locals():
             raise UserError(user_error)
-        raise RuntimeError(f"train_adapter: a rank of the {nproc}-process training failed (exit {proc.returncode}); "
-                           f"all output in {out / LOG}; it ends:\n" + "\n".join(tail))
-    return json.loads((out / RESULT).read_text())
+        raise RanksFailed(f"train_adapter: a rank of the {nproc}-process training failed (exit {proc.returncode}); "
+                          f"all output in {out / log_name}; it ends:\n" + "\n".join(tail))
+
+
+class RanksFailed(RuntimeError):
+    """A rank (or torchrun) ended with an error; the message ends with the output's last lines."""
 
 
 def exit_with_parent(parent: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,12 @@ from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
-from tasks.pool.gpus import gpu_slot
+from tasks.pool.gpus import gpu_slot, held_devices
 from tasks.pool.hosts import this_host
 from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.registry.init_adapter import resolve_adapter
 from tasks.reporting import tracking
-from tasks.train_adapter import grpo, launch, preference
+from tasks.train_adapter import grpo, launch, nodes, preference
 from tasks.train_adapter.fit import fit_and_save
 from tasks.train_adapter.levers import liger, parallel
 from tasks.train_adapter.resume import latest_checkpoint
@@ -58,8 +60,14 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
         folder = resolve_adapter(train.init_adapter, runs_dir)
         keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
     return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir, located=("train.init_adapter",),
-                     params={"lora": lora.model_dump(), "train": _train_params(train), "speed": speed.model_dump()},
+                     params={"lora": lora.model_dump(), "train": _train_params(train), "speed": _speed_params(speed)},
                      upstream={"prepare_model": Path(model_dir)}, fingerprint=keyed)
+
+
+def _speed_params(speed: SpeedArgs) -> dict[str, Any]:
+    """speed as keyed: num_nodes only above 1 (adding it left every one-host key unchanged), and never how long a
+    training across hosts waits for them (node_join_timeout_s changes nothing trained)."""
+    return speed.model_dump(exclude={"node_join_timeout_s", *(("num_nodes",) if speed.num_nodes == 1 else ())})
 
 
 def _train_params(train: TrainArgs) -> dict[str, Any]:
@@ -83,11 +91,13 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
         processes = parallel.world_size(speed)
         asked = time.monotonic()
-        # GPUs that no other run on this Prefect server holds, and this run's share of the host's cores
-        with gpu_slot(processes) as devices, cpu_share("train_adapter", processes) as threads:
+        with _resources(speed, processes) as (hosts, devices, threads):
             waited = round(time.monotonic() - asked, 1)  # the stage's time less this is its work (its artifact)
             refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
-            if processes > 1 or devices:  # children that see only these GPUs
+            if hosts:  # node 0 of a training across hosts
+                launch.write_args(lora, train, speed, data_dir, model_dir, stage.dir)
+                metrics = nodes.train(speed, stage.dir, hosts, devices, threads)
+            elif processes > 1 or devices:  # children that see only these GPUs
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes, devices,
                                         threads)
             else:
@@ -101,6 +111,18 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                                                       **({"tracking": refs} if refs else {})},
                      resumed_from_step=resumed)
         return str(stage.dir)
+
+
+@contextmanager
+def _resources(speed: SpeedArgs, processes: int) -> Iterator[tuple[list[str] | None, list[str] | None, int]]:
+    """What the training holds while it runs: with speed.num_nodes, the GPUs of that many hosts (nodes.fleet; the
+    hosts, this one first), else GPUs of this host's pool that no other run on the Prefect server holds; this host's
+    devices; its share of this host's cores (threads per process)."""
+    with ExitStack() as held:
+        hosts = held.enter_context(nodes.fleet(speed)) if speed.num_nodes > 1 else None
+        devices = held.enter_context(held_devices(processes) if hosts else gpu_slot(processes))
+        threads = held.enter_context(cpu_share("train_adapter", processes))
+        yield hosts, devices, threads
 
 
 def check_target_modules(target_modules: list[str] | str, model_dir: Path) -> None:

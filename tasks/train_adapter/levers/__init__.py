@@ -25,7 +25,8 @@ PHASES: dict[str, str] = {
     "batches": "with the micro-batches, which on a GPU with packing the memory plan chooses (plan.training_batches, "
                "preference._micro_batches)",
     "trl": "around TRL's trainer, for train.method dpo and kto (preference._trainer)",
-    "processes": "how many training processes there are and how they share the model (launch.py, fit._trainer)",
+    "processes": "how many training processes there are, on how many hosts, and how they share the model (launch.py, "
+                 "nodes.py, fit._trainer)",
 }
 
 
@@ -62,7 +63,7 @@ LEVERS: tuple[Lever, ...] = (
           steps_aside=(recompute.embedding_offload_unsupported, loss.output_layer_offload_unsupported),
           plan=("offload_embeddings",)),
     Lever("padding-free preference batches", ("packing",), "trl"),
-    Lever("data parallelism", ("num_gpus", "fsdp"), "processes"),
+    Lever("data parallelism", ("num_gpus", "num_nodes", "node_join_timeout_s", "fsdp"), "processes"),
 )
 # SpeedArgs fields that steer no lever of their own
 NOT_LEVERS = {"gpu_memory_budget_gb": "the GPU memory the memory plan spends on the levers"}

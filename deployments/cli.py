@@ -281,10 +281,12 @@ def _parameters_too_large(config: Any) -> str | None:
 
 
 def _gpus_problem(config: Any) -> str | None:
-    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/pool/gpus.py), before any run."""
+    """speed.num_gpus against this machine's GPUs and the server's GPU pool (tasks/pool/gpus.py), and speed.num_nodes
+    against what a training across hosts needs (tasks/train_adapter/nodes.py), before any run."""
     from tasks.pool.gpus import num_gpus_problem
+    from tasks.train_adapter.nodes import nodes_problem
 
-    return num_gpus_problem(config.speed.num_gpus)
+    return nodes_problem(config.speed.num_nodes) or num_gpus_problem(config.speed.num_gpus)
 
 
 def _config(args: argparse.Namespace) -> Any:

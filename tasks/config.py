@@ -719,12 +719,13 @@ def server_root(url: str) -> str:
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
-    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_preference's and _check_fsdp's
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_preference's, _check_nodes' and _check_fsdp's
         _rule({"train.method": {"enum": ["dpo", "kto"]}}, {
             "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
         _rule({"train.method": {"enum": ["grpo"]}}, {
             "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]},
             "speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}}),
+        _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": {"type": "integer"}}),  # _check_nodes
         _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
                 {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],

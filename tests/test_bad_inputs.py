@@ -315,6 +315,27 @@ def test_num_gpus_beyond_what_this_machine_has_fails_before_anything_runs(
     assert main(["validate", "--set", "speed.num_gpus=2"]) == 0
 
 
+def test_num_nodes_without_a_server_or_a_host_name_fails_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """speed.num_nodes > 1 trains across the hosts of a Prefect server: `run` without one, or on a host without a
+    name, is refused at validate time with the way to do it (tasks/train_adapter/nodes.py nodes_problem)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.cli import USER_ERROR_EXIT, main
+
+    runs = tmp_path / "runs"
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["run", "--set", "speed.num_nodes=2", "--set", f"runs_dir={runs}"]) == USER_ERROR_EXIT
+    err = " ".join(capsys.readouterr().err.split())
+    assert "speed.num_nodes=2 trains across GPU hosts of one Prefect server, and there is none here" in err, err
+    assert "qlora-pipeline start DEPLOYMENT --set speed.num_nodes=" in err and "Traceback" not in err
+    assert not runs.exists()
+    monkeypatch.delenv("QLORA_HOST", raising=False)
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # never asked: no host name comes first
+        assert main(["validate", "--set", "speed.num_nodes=2"]) == USER_ERROR_EXIT
+    assert "this process has no host name (QLORA_HOST)" in " ".join(capsys.readouterr().err.split())
+
+
 # ---- hostile configs, through the CLI -----------------------------------------------------------------------------
 
 

@@ -217,6 +217,7 @@ def test_every_field_starts_at_a_value_the_form_can_show() -> None:
     ["train.method=grpo", "train.rewards=[format]", "data.format=dolly"],
     ["train.method=grpo", "train.rewards=[format]", "train.loss_type=sigmoid"],
     ["train.method=grpo", "train.rewards=[format]", "speed.num_gpus=2"],
+    ["train.method=grpo", "train.rewards=[format]", "speed.num_nodes=2"], ["speed.num_nodes=2", "speed.num_gpus=auto"],
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16", "model.bnb_4bit_compute_dtype=float16"],
 ])
 def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
@@ -240,6 +241,7 @@ def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
     ["train.method=kto", "train.loss_type=apo_zero_unpaired", "train.per_device_train_batch_size=2"],
     ["train.method=grpo", "train.rewards=[format, numeric_match]", "train.loss_type=dr_grpo", "data.format=prompts"],
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"], ["speed.num_gpus=auto", "eval.dequantize=false"],
+    ["speed.num_nodes=2", "speed.num_gpus=4", "speed.node_join_timeout_s=60"],
     ["lora.target_modules=[q_proj, v_proj]", "train.optim=adamw_torch", "train.bf16=false"],
 ])
 def test_the_form_accepts_what_the_config_accepts(overrides: list[str]) -> None:

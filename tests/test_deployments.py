@@ -319,7 +319,7 @@ def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any],
 def test_deploy_says_its_next_steps_once(server: dict[str, Any], tmp_path: Path) -> None:
     """Prefect's report repeats `prefect worker start ...` for every deployment; ours names our worker, once."""
     out = _cli(["deploy"], server["env"], cwd=tmp_path)
-    assert "deployed 7: qlora-pipeline/dpo-embedded, qlora-pipeline/embedded-default" in out, out
+    assert "deployed 8: qlora-node/train, qlora-pipeline/dpo-embedded, qlora-pipeline/embedded-default" in out, out
     assert out.count("qlora-pipeline worker") == 1 and "prefect worker start" not in out, out
     assert out.count("qlora-pipeline start DEPLOYMENT") == 1 and "prefect deployment run" not in out, out
 

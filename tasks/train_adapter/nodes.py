@@ -65,19 +65,30 @@ def fleet(speed: SpeedArgs) -> Iterator[list[str]]:
         yield hosts
 
 
+def nodes_problem(nodes: int) -> str | None:
+    """Why speed.num_nodes cannot train from this process, or None: checked before any stage by the command line too.
+    It needs runs on a Prefect server and a host name for this host (QLORA_HOST)."""
+    what = f"speed.num_nodes={nodes} trains across GPU hosts of one Prefect server"
+    if nodes <= 1:
+        return None
+    if not uses_server():
+        return (f"{what}, and there is none here (PREFECT_API_URL): start it as a deployment run "
+                "(`qlora-pipeline start DEPLOYMENT --set speed.num_nodes=...`, or the UI), which a host's worker runs.")
+    if this_host() is None:
+        return (f"{what}, but this process has no host name ({HOST_VARIABLE}): start each host's worker with "
+                "`qlora-pipeline worker --host NAME` (docs/multi-gpu.md, \"Several hosts\"), or set it here.")
+    return None
+
+
 def _hosts(nodes: int, gpus: int) -> list[str]:
     """The hosts this run may train on: those of the node deployment's work pool with `gpus` GPUs in their pool."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
     what = f"speed.num_nodes={nodes} trains across GPU hosts of one Prefect server"
-    if current_run_attempt() is None or not uses_server():
-        raise UserError(f"{what}: start it through the server (`qlora-pipeline start`, a deployment, the UI), so "
-                        "that a host's worker runs it.")
+    if problem := nodes_problem(nodes) or (current_run_attempt() is None and f"{what}: run it in a flow run."):
+        raise UserError(problem)
     here = this_host()
-    if here is None:
-        raise UserError(f"{what}, but this process has no host name ({HOST_VARIABLE}): start each host's worker "
-                        "with `qlora-pipeline worker --host NAME` (docs/multi-gpu.md, \"Several hosts\").")
     with get_client(sync_client=True) as client:
         try:
             pool = client.read_deployment_by_name(NODE_DEPLOYMENT).work_pool_name

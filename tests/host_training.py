@@ -11,9 +11,10 @@ from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.train_adapter.stage import train_adapter
 
 
-def host_train_args(seed: int, max_steps: int = 3, per_device: int = 4, learning_rate: float = 1e-3) -> TrainArgs:
-    return TrainArgs(max_steps=max_steps, save_steps=100, logging_steps=1, per_device_train_batch_size=per_device,
-                     seed=seed, learning_rate=learning_rate)
+def host_train_args(seed: int, max_steps: int = 3, per_device: int = 4, learning_rate: float = 1e-3,
+                    save_steps: int = 100) -> TrainArgs:
+    return TrainArgs(max_steps=max_steps, save_steps=save_steps, logging_steps=1, seed=seed,
+                     per_device_train_batch_size=per_device, learning_rate=learning_rate)
 
 
 HOST_LORA = LoraArgs(r=4, lora_alpha=8)
@@ -21,7 +22,8 @@ HOST_LORA = LoraArgs(r=4, lora_alpha=8)
 
 @flow(name="host-training")
 def host_training(runs_dir: str, data_dir: str, model_dir: str, seed: int, max_steps: int = 3, num_nodes: int = 1,
-                  per_device: int = 4, learning_rate: float = 1e-3, join_timeout: int = 600) -> str:
+                  per_device: int = 4, learning_rate: float = 1e-3, join_timeout: int = 600,
+                  save_steps: int = 100) -> str:
     speed = SpeedArgs(packing=False, num_nodes=num_nodes, node_join_timeout_s=join_timeout)
-    return train_adapter(HOST_LORA, host_train_args(seed, max_steps, per_device, learning_rate), speed,
+    return train_adapter(HOST_LORA, host_train_args(seed, max_steps, per_device, learning_rate, save_steps), speed,
                          Path(runs_dir), data_dir, model_dir)

@@ -414,3 +414,51 @@ def test_cancelling_a_training_across_hosts_stops_its_node_runs(two_hosts: dict[
 
         _wait(lambda: ranks() == "", 10, f"ranks left running: {ranks()}")
         _wait(lambda: _held(("a", "b")) == {}, 70, f"slots left held: {_held(('a', 'b'))}")
+
+
+def _rank_of_node(stage: Path, node: int) -> int | None:
+    """The pid of node `node`'s rank: the child of the torchrun launched with --node-rank=<node> on `stage`."""
+    launchers = subprocess.run(["pgrep", "-f", "--", f"--node-rank={node} .*{stage}"], capture_output=True,
+                               text=True).stdout.split()
+    for launcher in launchers:
+        children = subprocess.run(["pgrep", "-P", launcher], capture_output=True, text=True).stdout.split()
+        if children:
+            return int(children[0])
+    return None
+
+
+@pytest.mark.slow  # a 2-node training whose rank on host b is killed with kill -9, then the same run again
+def test_a_rank_killed_across_hosts_resumes_from_the_last_checkpoint(two_hosts: dict[str, Any]) -> None:
+    """kill -9 of node 1's rank fails the run (torchrun restarts nothing); the same run started again resumes from
+    the newest complete checkpoint in the shared stage folder and ends with every step, as on one host."""
+    import os
+    import signal
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.train_adapter.resume import latest_checkpoint
+
+    runs = two_hosts["logs"] / "node-runs"
+    params = {"host": "a", "num_nodes": 2, "max_steps": 24, "save_steps": 4}
+    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+        first = _start(14, {**two_hosts, "runs": runs}, **params)
+        _wait(lambda: (stage := _stage_of(first.id, runs)) is not None
+              and latest_checkpoint(stage / "checkpoints") is not None, 240,
+              "no checkpoint was written: " + _log(first.id)[-2000:])
+        stage = _stage_of(first.id, runs)
+        rank = _rank_of_node(stage, 1)
+        assert rank is not None, subprocess.run(["ps", "-ef"], capture_output=True, text=True).stdout[-3000:]
+        os.kill(rank, signal.SIGKILL)
+        _wait(lambda: _run(first.id).state.type.value in FINAL, 120, "the run did not end after the kill")
+        assert _run(first.id).state.type.value == "FAILED", _run(first.id).state
+        assert read_manifest(stage) is None
+        saved = int(latest_checkpoint(stage / "checkpoints").name.split("-")[-1])
+        assert saved < 24
+
+        again = _start(14, {**two_hosts, "runs": runs}, **params)
+        _wait(lambda: _run(again.id).state.type.value in FINAL, 300, "the second run did not end")
+        assert _run(again.id).state.type.value == "COMPLETED", _log(again.id)[-3000:]
+        assert _held(("a", "b")) == {}
+    made = read_manifest(stage)
+    assert made.resumed_from_step is not None and made.resumed_from_step >= saved, made.resumed_from_step
+    assert made.metrics.optimizer_steps == 24 and [n["host"] for n in made.metrics.nodes] == ["a", "b"]

@@ -239,7 +239,6 @@ def _host_worker_args(pool: str, host: str, extra: list[str]) -> list[str]:
     print(f"worker of host {host!r}: work queues {SHARED_QUEUE!r} and {host_queue(host)!r}, at most {limit} flow "
           "run(s) at a time", flush=True)
     return args if "--limit" in extra else [*args, "--limit", limit]
-    return args
 
 
 def host_gpus() -> int:

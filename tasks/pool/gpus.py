@@ -14,7 +14,9 @@ GPU pool (`qlora-pipeline setup [--gpus N]` creates it; docs/operations.md, "The
 
 Several GPU hosts under one server (QLORA_HOST set in each host's worker, hosts.py) have a pool each: every name
 above carries the host, `qlora-gpu@gpu-a`, `qlora-gpu@gpu-a-0`, `qlora-gpu@gpu-a-placement`, and a run takes the
-slots of the host it runs on.
+slots of the host it runs on. A training across hosts (speed.num_nodes, tasks/train_adapter/nodes.py) takes the
+counting slots of several hosts in one bulk acquisition (fleet_slot), and each of its nodes places itself on its own
+host's devices (held_devices) while the run holds the counts.
 
 A pool without device limits (0 GPUs, or a server set up before the pool existed) is today's single slot: one
 training at a time, on whatever this process sees, and gpu_slot yields None.
@@ -182,7 +184,7 @@ def _devices(held: ExitStack, wanted: int, size: int, waiting: _Waiting) -> list
     return mine
 
 
-def host_gpus(host: str) -> int:
+def pool_devices(host: str) -> int:
     """The GPUs of `host`'s pool that a training across hosts can take: its size, 0 without device limits."""
     size, devices = _pool(host)
     return size if devices else 0
@@ -194,7 +196,7 @@ def fleet_slot(hosts: list[str], nodes: int, gpus: int) -> Iterator[list[str]]:
     (hold_first: Prefect's bulk acquisition over their limits, all or nothing, so a run waiting for a full host
     holds no GPU of another meanwhile). Yields the hosts held, this one first; their nodes place themselves on
     their own GPUs (held_devices). Waits as gpu_slot does ("Waiting for GPU"). The caller checked that each host
-    has `gpus` GPUs (host_gpus)."""
+    has `gpus` GPUs (pool_devices)."""
     from prefect.runtime import task_run
 
     here = this_host()

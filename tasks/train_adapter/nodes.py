@@ -37,7 +37,7 @@ from tasks.config import SpeedArgs
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 from tasks.pool.cpus import cpu_share
-from tasks.pool.gpus import fleet_slot, held_devices, host_gpus
+from tasks.pool.gpus import fleet_slot, held_devices, pool_devices
 from tasks.pool.hosts import HOST_VARIABLE, host_queue, hosts_of, this_host
 from tasks.pool.leases import uses_server
 from tasks.train_adapter import launch
@@ -96,7 +96,7 @@ def _hosts(nodes: int, gpus: int) -> list[str]:
             raise UserError(f"{what}, through the deployment {NODE_DEPLOYMENT!r}, which this server does not "
                             "have: run `qlora-pipeline deploy`.") from None
         hosts = hosts_of(client, pool)
-    sizes = {host: host_gpus(host) for host in hosts}
+    sizes = {host: pool_devices(host) for host in hosts}
     able = [host for host in hosts if sizes[host] >= gpus]
     if here not in able or len(able) < nodes:
         listed = ", ".join(f"{h} ({sizes[h]})" for h in hosts) or "none"
@@ -122,7 +122,7 @@ def train(speed: SpeedArgs, out: Path, hosts: list[str], devices: list[str] | No
     runs = _start_node_runs(out, hosts, UUID(str(task_run.id)) if task_run.id else None)
     started = time.monotonic()
     try:
-        _run_watched(lambda: _node_problem(out, plan, runs, started), out, 0, plan, devices, threads)
+        _run_watched(lambda ended: _node_problem(out, plan, runs, started, ended), out, 0, plan, devices, threads)
         _wait_completed(runs, plan)
     finally:
         _cancel_unfinished(runs)
@@ -142,13 +142,14 @@ def run_node(out: Path, node: int) -> str:
     processes = plan["processes"]
     with held_devices(processes) as devices, cpu_share("train_adapter", processes) as threads:
         _mark(out, node, devices)
-        _run_watched(lambda: _parent_problem(plan["parent"]), out, node, plan, devices, threads)
+        _run_watched(lambda _ended: _parent_problem(plan["parent"]), out, node, plan, devices, threads)
     return str(out)
 
 
-def _run_watched(problem: Callable[[], str | None], out: Path, node: int, plan: dict[str, Any],
+def _run_watched(problem: Callable[[bool], str | None], out: Path, node: int, plan: dict[str, Any],
                  devices: list[str] | None, threads: int) -> None:
-    """This node's ranks under torchrun, stopped as soon as problem() names one (checked every WATCH_SECONDS)."""
+    """This node's ranks under torchrun, stopped as soon as problem(False) names one (checked every WATCH_SECONDS);
+    where the ranks fail first (torchrun's own rendezvous timeout, say), problem(True) may say why better."""
     hosts = plan["hosts"]
     rendezvous = [f"--nnodes={len(hosts)}", f"--node-rank={node}", "--rdzv_backend=c10d",
                   f"--rdzv_endpoint={plan['endpoint']}", f"--rdzv_id={plan['rendezvous']}",
@@ -160,8 +161,8 @@ def _run_watched(problem: Callable[[], str | None], out: Path, node: int, plan: 
         launch.run_ranks(out / launch.ARGS_FILE, plan["processes"], devices, threads, rendezvous=rendezvous,
                          log_name=f"distributed-node{node}.log", started=watch.start)
     except (launch.RanksFailed, UserError) as exc:
-        if watch.reason:
-            raise RuntimeError(f"train_adapter: node {node} on host {hosts[node]!r} stopped: {watch.reason}") from exc
+        if reason := watch.reason or (isinstance(exc, launch.RanksFailed) and problem(True)):
+            raise RuntimeError(f"train_adapter: node {node} on host {hosts[node]!r} stopped: {reason}") from exc
         raise
     finally:
         watch.stop()
@@ -173,7 +174,7 @@ class _Watch:
     """Polls problem() from a thread while the ranks run; where it names one, keeps it and stops the ranks (SIGTERM
     to torchrun, which ends its ranks; each rank also ends itself within a second of torchrun)."""
 
-    def __init__(self, problem: Callable[[], str | None]) -> None:
+    def __init__(self, problem: Callable[[bool], str | None]) -> None:
         self.problem, self.reason = problem, None
         self.done = threading.Event()
 
@@ -186,7 +187,7 @@ class _Watch:
     def _watch(self, proc: subprocess.Popen) -> None:
         while not self.done.wait(WATCH_SECONDS) and proc.poll() is None:
             try:
-                self.reason = self.problem()
+                self.reason = self.problem(False)
             except Exception as exc:  # noqa: BLE001 - the server away for a moment: the ranks go on, ask again
                 logger().debug("train_adapter: could not check the other nodes (%s)", exc)
                 continue
@@ -199,9 +200,9 @@ class _Watch:
         self.done.set()
 
 
-def _node_problem(out: Path, plan: dict[str, Any], runs: list[Any], started: float) -> str | None:
+def _node_problem(out: Path, plan: dict[str, Any], runs: list[Any], started: float, ended: bool) -> str | None:
     """Node 0's check of the others: a node run that ended before training did, or that has not started within the
-    join timeout."""
+    join timeout (or at all, once node 0's ranks have `ended` in failure)."""
     states = _states(runs)
     for node, (run, state) in enumerate(zip(runs, states, strict=True), start=1):
         if state.type.value in _FINAL:
@@ -209,7 +210,7 @@ def _node_problem(out: Path, plan: dict[str, Any], runs: list[Any], started: flo
                     f"{state.message or 'see its log'}")
     late = [(node, run, state) for node, (run, state) in enumerate(zip(runs, states, strict=True), start=1)
             if not node_marker(out, node).exists()]
-    if late and time.monotonic() - started > plan["join_timeout"]:
+    if late and (ended or time.monotonic() - started > plan["join_timeout"]):
         said = "; ".join(f"host {plan['hosts'][node]!r} (node {node}, flow run {run.name}, {state.name})"
                          for node, run, state in late)
         return (f"the training's nodes did not all join within speed.node_join_timeout_s={plan['join_timeout']}: "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +240,26 @@ def flow_run_logs(state: Any) -> list[Any]:
     with get_client(sync_client=True) as client:
         return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
             any_=[state.state_details.flow_run_id])))
+
+
+@contextmanager
+def reporting_to(url: str) -> Iterator[None]:
+    """Flow runs of this process report to the Prefect API at `url` while in the block, and to the session's server
+    after it. Prefect's events and log workers are one per process, bound to the API of the moment they started: a
+    flow run here under another server's URL would otherwise send every later run's events (which make its task
+    runs) to that server, stopped by then, and Prefect's test harness would wait for them at the session's end."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    def drain() -> None:
+        for worker in (EventsWorker, APILogWorker):
+            worker.drain_all(timeout=30)
+
+    drain()
+    try:
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield
+            drain()
+    finally:
+        drain()

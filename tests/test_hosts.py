@@ -16,7 +16,7 @@ import pytest
 from tasks.config import PROJECT_ROOT
 from tasks.on_disk.manifest import read_manifest
 from tasks.pool.gpus import WAITING_STATE
-from tests.conftest import cli_env, free_port, start_prefect_server, stop_group, wait_for_server
+from tests.conftest import cli_env, free_port, reporting_to, start_prefect_server, stop_group, wait_for_server
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -254,8 +254,6 @@ def test_a_sweeps_candidates_train_on_every_host_with_free_gpus(two_hosts: dict[
                                                                tmp_path: Path) -> None:
     """The sweep's flow runs here; each candidate's training is a flow run that the first host with a free GPU
     takes (flows/sweep_runner.py train_on_fleet): the four train at once, two on each host, on GPUs 0 and 1."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.qlora_sweep import qlora_sweep
     from tasks.config import load_config
     from tests.conftest import small_overrides
@@ -263,7 +261,7 @@ def test_a_sweeps_candidates_train_on_every_host_with_free_gpus(two_hosts: dict[
     base = load_config(None, small_overrides(small_data, tmp_path / "runs", **{"train.max_steps": 3,
                                                                                "eval.generation_samples": 2}))
     grid = {"train.learning_rate": [1e-3, 2e-3, 3e-3, 4e-3]}
-    with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
+    with reporting_to(two_hosts["url"]):  # the sweep's flow runs in this process, against the hosts' server
         state = qlora_sweep(config=base, grid=grid, return_state=True)
     assert state.is_completed(), state.message
     candidates = state.result()["candidates"]

@@ -325,7 +325,8 @@ def test_num_nodes_without_a_server_or_a_host_name_fails_before_anything_runs(
 
     runs = tmp_path / "runs"
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    assert main(["run", "--set", "speed.num_nodes=2", "--set", f"runs_dir={runs}"]) == USER_ERROR_EXIT
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # no server, whatever the session's tests use
+        assert main(["run", "--set", "speed.num_nodes=2", "--set", f"runs_dir={runs}"]) == USER_ERROR_EXIT
     err = " ".join(capsys.readouterr().err.split())
     assert "speed.num_nodes=2 trains across GPU hosts of one Prefect server, and there is none here" in err, err
     assert "qlora-pipeline start DEPLOYMENT --set speed.num_nodes=" in err and "Traceback" not in err

@@ -434,14 +434,17 @@ def test_a_rank_killed_across_hosts_resumes_from_the_last_checkpoint(two_hosts: 
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.train_adapter.resume import latest_checkpoint
+    from tasks.train_adapter.resume import damage
+
+    def saved_steps(stage: Path) -> list[int]:  # read only: latest_checkpoint would delete the one being written
+        return sorted(int(c.name.split("-")[-1]) for c in (stage / "checkpoints").glob("checkpoint-*")
+                      if damage(c) is None)
 
     runs = two_hosts["logs"] / "node-runs"
     params = {"host": "a", "num_nodes": 2, "max_steps": 24, "save_steps": 4}
     with temporary_settings({PREFECT_API_URL: two_hosts["url"]}):
         first = _start(14, {**two_hosts, "runs": runs}, **params)
-        _wait(lambda: (stage := _stage_of(first.id, runs)) is not None
-              and latest_checkpoint(stage / "checkpoints") is not None, 240,
+        _wait(lambda: (stage := _stage_of(first.id, runs)) is not None and saved_steps(stage), 240,
               "no checkpoint was written: " + _log(first.id)[-2000:])
         stage = _stage_of(first.id, runs)
         rank = _rank_of_node(stage, 1)
@@ -450,7 +453,7 @@ def test_a_rank_killed_across_hosts_resumes_from_the_last_checkpoint(two_hosts: 
         _wait(lambda: _run(first.id).state.type.value in FINAL, 120, "the run did not end after the kill")
         assert _run(first.id).state.type.value == "FAILED", _run(first.id).state
         assert read_manifest(stage) is None
-        saved = int(latest_checkpoint(stage / "checkpoints").name.split("-")[-1])
+        saved = saved_steps(stage)[-1]
         assert saved < 24
 
         again = _start(14, {**two_hosts, "runs": runs}, **params)

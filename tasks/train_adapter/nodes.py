@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from tasks.config import SpeedArgs
+from tasks.config import LoraArgs, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
 from tasks.pool.cpus import cpu_share
@@ -106,10 +106,13 @@ def _hosts(nodes: int, gpus: int) -> list[str]:
     return able
 
 
-def train(speed: SpeedArgs, out: Path, hosts: list[str], devices: list[str] | None, threads: int) -> dict[str, Any]:
-    """Node 0's part: the plan, a node run per other host, this host's ranks; rank 0's metrics with the nodes.
-    The ranks' arguments are in the stage folder already (launch.write_args)."""
+def train(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path,
+          hosts: list[str], devices: list[str] | None, threads: int) -> dict[str, Any]:
+    """Node 0's part: the ranks' arguments and the plan in the stage folder, a node run per other host, this host's
+    ranks; rank 0's metrics with the nodes."""
     from prefect.runtime import flow_run, task_run
+
+    launch.write_args(lora, train, speed, data_dir, model_dir, out)
 
     attempt = current_run_attempt() or "run"
     for stale in out.glob(".node-*.json"):  # an earlier attempt's

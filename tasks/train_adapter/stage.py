@@ -95,8 +95,7 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
             waited = round(time.monotonic() - asked, 1)  # the stage's time less this is its work (its artifact)
             refs = tracking.open_training(track, runs_dir, stage.dir)  # not before: a waiting run is not running
             if hosts:  # node 0 of a training across hosts
-                launch.write_args(lora, train, speed, data_dir, model_dir, stage.dir)
-                metrics = nodes.train(speed, stage.dir, hosts, devices, threads)
+                metrics = nodes.train(lora, train, speed, data_dir, model_dir, stage.dir, hosts, devices, threads)
             elif processes > 1 or devices:  # children that see only these GPUs
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes, devices,
                                         threads)

@@ -602,34 +602,29 @@ def _promote(config: Any, name: str, version: str) -> int:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    from tasks import methods
+
     print("\nstage              status    folder")
     for stage, info in summary["stages"].items():
         resumed = info["status"] == "resumed" and "resumed_from_step" in info
         status = info["status"] + (f" from step {info['resumed_from_step']}" if resumed else "")
         print(f"{stage:18} {status:9} {info['dir']}")
-    m = summary["metrics"]
+    m, method = summary["metrics"], methods.method(summary.get("method", methods.METHODS[0].name))
+    perplexity = (f"; perplexity {m['base_perplexity']:.2f} -> {m['tuned_perplexity']:.2f}"
+                  if m.get("tuned_perplexity") is not None else "")
     print(f"\neval loss: base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
-          f"({100 * m['relative_improvement']:.1f}% lower); perplexity {m['base_perplexity']:.2f} -> "
-          f"{m['tuned_perplexity']:.2f}")
-    if m.get("tuned_reward_accuracy") is not None:  # dpo/kto: what the promotion gate compares
-        print(f"reward accuracy ({m['eval_pairs']} held-out pairs): base {m['base_reward_accuracy']:.3f} -> tuned "
-              f"{m['tuned_reward_accuracy']:.3f}; reward margin {m['base_reward_margin']:.3f} -> "
-              f"{m['tuned_reward_margin']:.3f}")
-    if m.get("tuned_mean_reward") is not None:  # grpo: what the promotion gate compares
-        base = m["base_rewards"] or {}
-        each = ", ".join(f"{f} {base.get(f)} -> {v}" for f, v in (m["tuned_rewards"] or {}).items())
-        print(f"mean reward ({m['eval_prompts']} held-out prompts, greedy): base {m['base_mean_reward']:.3f} -> tuned "
-              f"{m['tuned_mean_reward']:.3f} ({each})")
+          f"({100 * m['relative_improvement']:.1f}% lower){perplexity}")
+    if method.measure != methods.LOSS:  # what the promotion gate compares, with what the method shows beside it
+        print(_method_line(method, m))
     if m.get("tuned_rouge_l") is not None:
         print(f"greedy answers ({m['generation_samples']}): exact match {m['base_exact_match']:.3f} -> "
               f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
     if m.get("judged_against"):
+        measure = method.measure
         print(f"champion {m['judged_against']} on the same eval data: eval loss {m['champion_eval_loss']:.4f}"
               + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else "")
-              + (f", reward accuracy {m['champion_reward_accuracy']:.3f} (tuned {m['tuned_reward_accuracy']:.3f})"
-                 if m.get("champion_reward_accuracy") is not None else "")
-              + (f", mean reward {m['champion_mean_reward']:.3f} (tuned {m['tuned_mean_reward']:.3f})"
-                 if m.get("champion_mean_reward") is not None else ""))
+              + (f", {measure.label} {m[f'champion_{measure.key}']:.3f} (tuned {m[f'tuned_{measure.key}']:.3f})"
+                 if measure != methods.LOSS and m.get(f"champion_{measure.key}") is not None else ""))
     if "promotion" in m:
         print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}"
               f"{' by the ' + m['gate_rule'] + ' rule' if m.get('gate_rule') else ''}: "
@@ -639,6 +634,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary.get("serving"):
         print(f"serving (vLLM at {summary['serving']['url']}): {summary['serving']['message']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
+
+
+def _method_line(method: Any, m: dict[str, Any]) -> str:
+    """The numbers the method shows beside the loss (tasks/methods.py), base -> tuned, its gate measure first; a
+    number per name (a reward per function) in brackets."""
+    measure, parts = method.measure, []
+    for label, key in method.shown:
+        base, tuned = m.get(f"base_{key}"), m.get(f"tuned_{key}")
+        if isinstance(tuned, dict):
+            parts.append("(" + ", ".join(f"{name} {(base or {}).get(name)} -> {v}" for name, v in tuned.items()) + ")")
+        elif key == measure.key:
+            parts.insert(0, f"{label} ({m.get(measure.count)} {measure.noun}): base {_three(base)} -> tuned "
+                            f"{_three(tuned)}")
+        elif tuned is not None:
+            parts.append(f"{label} {_three(base)} -> {_three(tuned)}")
+    return "; ".join(parts)
+
+
+def _three(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _print_tracking(done: dict[str, dict[str, str]] | None) -> None:

@@ -69,7 +69,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     for candidate in plan.candidates:  # so is a reward function the deployment does not allow (grpo)
-        rewards.check(candidate.config.train)
+        rewards.check(candidate.config.train, candidate.config.runs_dir)
     track = tracking.open_sweep(config.track, runs, plan.key)  # the candidates' runs are children of the sweep's
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)

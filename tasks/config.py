@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from tasks import credentials
+from tasks import credentials, methods
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DATA = PROJECT_ROOT / "data" / "sample" / "instructions.jsonl"
@@ -203,8 +203,10 @@ class DataArgs(_Section):
                                  "default branch.")
     format: Literal["auto", "preference", "unpaired_preference", "dolly", "alpaca", "prompt_completion", "chat",
                     "text", "prompts"] = Field(
-        "auto", description="How the records are laid out. auto: detected from the column names. prompts (for "
-        "train.method grpo): a prompt column, its other columns handed to the reward functions."
+        "auto", description="How the records are laid out. auto: detected from the column names. preference: "
+        "prompt, chosen and rejected; unpaired_preference: prompt, completion and label; prompts: a prompt column, "
+        "its other columns handed to the reward functions. The formats each train.method takes: "
+        + "; ".join(f"{m.name}: {', '.join(m.formats)}" for m in methods.METHODS) + ".",
     )
     column_mapping: dict[str, str] = Field(
         default_factory=dict,
@@ -296,49 +298,57 @@ class LoraArgs(_Section):
                                                       "adapters.")
 
 
-# DPO's and KTO's losses as TRL names them (DPOConfig.loss_type, KTOConfig.loss_type)
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down")
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
-GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # GRPOConfig.loss_type, those that need no other setting
-# TrainArgs fields that are the pipeline's, not TrainingArguments'/DPOConfig's/KTOConfig's/GRPOConfig's keywords
-PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern")
-PREFERENCE_TRAIN_FIELDS = ("beta", "loss_type")  # DPOConfig/KTOConfig/GRPOConfig keywords; not TrainingArguments'
-# GRPOConfig keywords, and with the pipeline's rewards/reward_pattern the fields only grpo reads: out of every other
-# method's train_adapter key (train_adapter.stage.spec), so adding them left those keys as they were
-GRPO_TRAIN_FIELDS = ("num_generations", "max_completion_length", "temperature")
-GRPO_ONLY_FIELDS = (*GRPO_TRAIN_FIELDS, "rewards", "reward_pattern")
 OPTIMIZERS = ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused")
+# TrainArgs fields that are the pipeline's, not TrainingArguments' or a TRL config's keywords
+PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern")
+
+
+def _users(name: str) -> str:
+    """The methods that read train field `name` (tasks/methods.py), as its help text names them."""
+    return "/".join(m.name for m in methods.METHODS if name in m.fields)
+
+
+def _losses_help() -> str:
+    offered = [m for m in methods.METHODS if m.losses]
+    return (f"{_users('loss_type')}: the loss TRL optimizes. auto: "
+            + ", ".join(f"{m.default_loss} for {m.name}" for m in offered) + ". "
+            + "; ".join(f"{m.name} takes {', '.join(m.losses)}" for m in offered) + ".")
+
+
+def _method_rules() -> list[dict[str, Any]]:
+    """TrainArgs' form rules of each method (RunConfig._check_method's within this section): its losses and the
+    rules it sets on train fields."""
+    rules = []
+    for row in methods.METHODS:
+        when = {"method": {"enum": [row.name]}}
+        rules.append(_rule(when, {"loss_type": {"enum": ["auto", *row.losses]}},
+                           when_absent=row.name == DEFAULT_METHOD))
+        rules += [_rule(when, {name: schema}, then_required=bool(schema.get("minItems")))
+                  for name, (schema, _) in row.requires.items()]
+    return rules
+
+
+DEFAULT_METHOD = methods.METHODS[0].name  # train.method's default: the table's first row
 
 
 class TrainArgs(_Section):
-    """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter), and for preference
-    tuning (method dpo or kto) and online RL (grpo) TRL's DPOConfig/KTOConfig/GRPOConfig fields of the same names.
+    """Training: the transformers Trainer's own TrainingArguments fields (stage train_adapter), and for the methods
+    built on TRL (tasks/methods.py) their TRL config's fields of the same names.
 
-    Why flat and not a nested `preference` section: DPOConfig and KTOConfig subclass TrainingArguments, so for a
-    preference run this whole section (less `method` and `init_adapter`) still hands over as one
-    `**model_dump()`; SFT drops the TRL-only fields (PREFERENCE_TRAIN_FIELDS). One section also keeps the UI form
-    and the train_adapter cache key as they were, and `train.method: dpo` reads as the issue writes it.
-    TRL 1.16 has no max_prompt_length / max_completion_length (only max_length, truncating prompt + completion
-    from the end): data.max_seq_length plays that part at prepare_data time, where prompt-filling pairs are
-    dropped and counted.
+    Why flat and not a section per method: TRL's configs subclass TrainingArguments, so for any method this whole
+    section (less the pipeline's own fields and the fields of other methods) still hands over as one
+    `**model_dump()`. One section also keeps the UI form and the train_adapter cache key as they were, and
+    `train.method: NAME` reads as users write it. TRL 1.16 has no max_prompt_length (only max_length, truncating
+    prompt + completion from the end): data.max_seq_length plays that part at prepare_data time, where
+    prompt-filling pairs are dropped and counted.
     """
 
-    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # RunConfig._check_preference's, within this section
-        _rule({"method": {"enum": ["kto"]}}, {"per_device_train_batch_size": {"minimum": 2}}),
-        _rule({"method": {"enum": ["sft"]}}, {"loss_type": {"enum": ["auto"]}}, when_absent=True),
-        _rule({"method": {"enum": ["dpo"]}}, {"loss_type": {"enum": ["auto", *DPO_LOSSES]}}),
-        _rule({"method": {"enum": ["kto"]}}, {"loss_type": {"enum": ["auto", *KTO_LOSSES]}}),
-        _rule({"method": {"enum": ["grpo"]}}, {"loss_type": {"enum": ["auto", *GRPO_LOSSES]}}),
-        _rule({"method": {"enum": ["grpo"]}}, {"rewards": {"minItems": 1}}, then_required=True),
-    ]
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = []  # the methods' (_method_rules), set below the class
 
-    method: Literal["sft", "dpo", "kto", "grpo"] = Field(
-        "sft", description="sft: supervised fine-tuning on instruction, chat or text data. dpo: Direct Preference "
-        "Optimization on pairs of a preferred and a rejected answer (data format preference). kto: "
-        "Kahneman-Tversky Optimization on single answers rated good or bad (format unpaired_preference). grpo: "
-        "Group Relative Policy Optimization: the model answers each prompt (format prompts) num_generations times "
-        "and learns from the answers' rewards (train.rewards). dpo, kto and grpo compare the tuned model with the "
-        "base model (or with init_adapter).",
+    method: Literal[methods.NAMES] = Field(  # type: ignore[valid-type]
+        DEFAULT_METHOD, description=" ".join(f"{m.name}: {m.summary}" for m in methods.METHODS)
+        + " " + ", ".join(m.name for m in methods.METHODS if m.reference_model) + " compare the tuned model with "
+        "the base model (or with init_adapter) while training.",
     )
     init_adapter: str | None = Field(
         None, description="Start from an exported adapter instead of a new one: a folder with adapter_config.json "
@@ -346,29 +356,33 @@ class TrainArgs(_Section):
         "registry NAME). Its own LoRA settings replace the lora section. Empty: a new adapter.",
     )
     beta: float = Field(
-        0.1, gt=0, description="dpo/kto/grpo: how far the tuned model may move away from the model it is compared "
-        "with; higher stays closer.",
+        0.1, gt=0, description=f"{_users('beta')}: how strongly the preference term pulls; for the methods that "
+        "compare with a reference model, how far the tuned model may move away from it (higher stays closer); "
+        "for methods without one, the weight of the preference term beside the loss on the chosen answers.",
     )
-    loss_type: automatic(Literal[DPO_LOSSES + KTO_LOSSES + GRPO_LOSSES],  # type: ignore[valid-type]
-                         DPO_LOSSES + KTO_LOSSES + GRPO_LOSSES) = Field(
-        None, description="dpo/kto/grpo: the loss TRL optimizes. auto: sigmoid for dpo, kto for kto, dapo for grpo. "
-        f"dpo takes {', '.join(DPO_LOSSES)}; kto takes {', '.join(KTO_LOSSES)}; grpo takes {', '.join(GRPO_LOSSES)}.",
+    loss_type: automatic(Literal[methods.all_losses()], methods.all_losses()) = Field(  # type: ignore[valid-type]
+        None, description=_losses_help(),
     )
     rewards: list[str] = Field(
-        default_factory=list, description="grpo: the reward functions, summed. Built in: answer_match (the answer "
-        "equals the data's answer column), numeric_match (its last number equals the answer's), format (the answer "
-        "matches reward_pattern), length_penalty (minus the share of max_completion_length used). Your own: "
-        "module:function, from a module the deployment allows (environment variable QLORA_REWARD_MODULES).",
+        default_factory=list, description=f"{_users('rewards')}: the reward functions, summed. Built in: "
+        "answer_match (the answer equals the data's answer column), numeric_match (its last number equals the "
+        "answer's), format (the answer matches reward_pattern), length_penalty (minus the share of "
+        "max_completion_length used). A reward model of the exports registry: registry:NAME (its champion) or "
+        "registry:NAME/vNNNN. Your own: module:function, from a module the deployment allows (environment variable "
+        "QLORA_REWARD_MODULES).",
     )
     reward_pattern: str = Field(
-        r"\d", description="grpo: the regular expression the format reward looks for in an answer (Python re.search).",
+        r"\d", description=f"{_users('reward_pattern')}: the regular expression the format reward looks for in an "
+        "answer (Python re.search).",
     )
     num_generations: int = Field(
-        4, ge=2, description="grpo: answers sampled per prompt; per_device_train_batch_size x "
-        "gradient_accumulation_steps (answers) must be a multiple of it.",
+        4, ge=2, description=f"{_users('num_generations')}: answers sampled per prompt; per_device_train_batch_size "
+        "x gradient_accumulation_steps (answers) must be a multiple of it.",
     )
-    max_completion_length: int = Field(32, gt=0, description="grpo: most tokens per sampled answer.")
-    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature of the answers.")
+    max_completion_length: int = Field(32, gt=0, description=f"{_users('max_completion_length')}: most tokens per "
+                                       "sampled answer.")
+    temperature: float = Field(1.0, gt=0, description=f"{_users('temperature')}: sampling temperature of the "
+                               "answers.")
 
     max_steps: int = Field(
         # the form shows the server's message, which quotes this schema: its title says what to do
@@ -419,6 +433,9 @@ class TrainArgs(_Section):
         return value
 
 
+TrainArgs.FORM_RULES = _method_rules()
+
+
 class SpeedArgs(_Section):
     """How train_adapter runs, not what it computes: speed and memory levers, data parallelism (README: Performance).
 
@@ -447,7 +464,9 @@ class SpeedArgs(_Section):
     )
     packing: bool = Field(
         True, description="Pack whole examples into each micro-batch instead of padding them to the same length; "
-        "each example still attends only to itself. dpo and kto keep each pair or answer whole.",
+        "each example still attends only to itself. Methods that train on pairs or rated answers keep each pair or "
+        "answer whole; " + ", ".join(m.name for m in methods.METHODS if not m.packing) + " train on padded "
+        "micro-batches whatever this says.",
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Tokens per packed micro-batch. Empty: on a GPU, the largest that the memory plan "
@@ -538,6 +557,9 @@ class EvalArgs(_Section):
     )
 
 
+_MEASURES = tuple(dict.fromkeys(m.measure for m in methods.METHODS))
+
+
 class ExportArgs(_Section):
     """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
 
@@ -551,10 +573,11 @@ class ExportArgs(_Section):
         "is recorded too. One folder name: letters, digits, '.', '_' and '-'.",
     )
     promotion_margin: float = Field(
-        0.01, ge=0.0, lt=1.0, description="A new version becomes champion only if its eval loss is lower than the "
-        "champion's by more than this fraction (0.01: more than 1% lower), or for dpo and kto, if its reward "
-        "accuracy is higher by more than this (0.01: one point), or for grpo, if its mean held-out reward is "
-        "higher by more than this (in reward units); otherwise it is kept as rejected.",
+        0.01, ge=0.0, lt=1.0, description="A new version becomes champion only if its measure (train.method's) beats "
+        "the champion's (for a first version, the base model's) by more than this; otherwise it is kept as "
+        "rejected. " + "; ".join(f"{', '.join(m.name for m in methods.METHODS if m.measure == measure)}: "
+                                 f"{measure.describe_margin()}" for measure in _MEASURES)
+        + " (0.01: 1% of a loss, one point of an accuracy, 0.01 reward).",
     )
     merge: bool = Field(
         False, description="Also write merged/: the base model with the adapter merged in, saved with the "
@@ -716,15 +739,71 @@ def server_root(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def _loss_problem(row: methods.Method, loss: str | None) -> str:
+    if loss is None or loss in row.losses:
+        return ""
+    fix = (f"use one of {', '.join(row.losses)}, or auto for TRL's default" if row.losses
+           else f"loss_type is for {_users('loss_type').replace('/', ', ')} only; set it to auto")
+    return f"train.loss_type={loss} does not go with train.method={row.name}: {fix}"
+
+
+def _format_problem(row: methods.Method, fmt: str) -> str:
+    if fmt == "auto" or fmt in row.formats:
+        return ""
+    return (f"train.method={row.name} trains on {row.data_kind} data ({', '.join(row.formats)}), but data.format is "
+            f"{fmt}; set data.format to {', '.join(row.formats)} or auto")
+
+
+def _field_problems(row: methods.Method, train: TrainArgs) -> list[str]:
+    """The row's rules on train fields, its own check, and list fields of other methods that are set."""
+    problems = [message for name, (schema, message) in row.requires.items()
+                if not _meets(getattr(train, name), schema)]
+    problems.append(row.check(train) if row.check else "")
+    for name in methods.method_fields():
+        if name not in row.fields and isinstance(getattr(train, name), list) and getattr(train, name):
+            users = _users(name)
+            problems.append(f"train.{name} is for train.method={users}, but train.method is {row.name}; leave "
+                            f"train.{name} empty or set train.method={users}")
+    return problems
+
+
+def _meets(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether `value` meets a requirement's JSON schema (the keywords the method table uses)."""
+    return value >= schema.get("minimum", value) and len(value if isinstance(value, list) else []) >= schema.get(
+        "minItems", 0)
+
+
+def _parallel_problem(row: methods.Method, speed: SpeedArgs) -> str:
+    if not row.several_gpus and (speed.num_gpus != 1 or speed.num_nodes != 1):
+        return (f"train.method={row.name} trains in one process here (several are not tried with its TRL trainer), "
+                f"but speed.num_gpus is {speed.num_gpus} and speed.num_nodes {speed.num_nodes}; set both to 1")
+    if not row.across_hosts and speed.num_nodes != 1:
+        return f"train.method={row.name} trains on one host here; set speed.num_nodes to 1"
+    if not row.fsdp and speed.fsdp:
+        fsdp = ", ".join(m.name for m in methods.METHODS if m.fsdp)
+        return (f"train.method={row.name} does not run with speed.fsdp (only {fsdp} is tried with FSDP here); set "
+                "speed.fsdp=false (DDP with speed.num_gpus works)")
+    return ""
+
+
+def _method_run_rules() -> list[dict[str, Any]]:
+    """RunConfig's form rules of each method (_check_method's across sections): its data formats, and FSDP, GPUs
+    and hosts where it does not allow them."""
+    rules = []
+    for row in methods.METHODS:
+        then = {"data.format": {"enum": ["auto", *row.formats]}}
+        then.update({} if row.fsdp else {"speed.fsdp": {"enum": [False]}})
+        then.update({} if row.several_gpus else {"speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}})
+        then.update({} if row.across_hosts else {"speed.num_nodes": {"enum": [1]}})
+        rules.append(_rule({"train.method": {"enum": [row.name]}}, then, when_absent=row.name == DEFAULT_METHOD))
+    return rules
+
+
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
-    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_preference's, _check_nodes' and _check_fsdp's
-        _rule({"train.method": {"enum": ["dpo", "kto"]}}, {
-            "data.format": {"enum": ["auto", "preference", "unpaired_preference"]}, "speed.fsdp": {"enum": [False]}}),
-        _rule({"train.method": {"enum": ["grpo"]}}, {
-            "data.format": {"enum": ["auto", "prompts"]}, "speed.fsdp": {"enum": [False]},
-            "speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}}),
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_method's, _check_nodes' and _check_fsdp's
+        *_method_run_rules(),
         _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": {"type": "integer"}}),  # _check_nodes
         _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
@@ -772,48 +851,18 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _check_preference(self) -> RunConfig:
-        method, loss = self.train.method, self.train.loss_type
-        allowed = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES, "grpo": GRPO_LOSSES}.get(method, ())
-        if loss is not None and loss not in allowed:
-            raise ValueError(f"train.loss_type={loss} does not go with train.method={method}: "
-                             + (f"use one of {', '.join(allowed)}, or auto for TRL's default" if allowed
-                                else "loss_type is for dpo, kto and grpo only; set it to auto"))
-        if method in ("dpo", "kto") and self.data.format not in ("auto", "preference", "unpaired_preference"):
-            raise ValueError(f"train.method={method} trains on preference data, but data.format is "
-                             f"{self.data.format}; set data.format to preference, unpaired_preference or auto")
-        if method == "grpo":
-            self._check_grpo()
-        elif self.train.rewards:
-            raise ValueError(f"train.rewards is for train.method=grpo, but train.method is {method}; leave "
-                             "train.rewards empty or set train.method=grpo")
-        if method != "sft" and self.speed.fsdp:
-            raise ValueError(f"train.method={method} does not run with speed.fsdp (TRL's preference trainers are "
-                             "not tried with FSDP here); set speed.fsdp=false (DDP with speed.num_gpus works)")
-        if method == "kto" and self.train.per_device_train_batch_size < 2:
-            raise ValueError("train.method=kto estimates its KL term from the other answers of a micro-batch: "
-                             "set train.per_device_train_batch_size to 2 or more")
+    def _check_method(self) -> RunConfig:
+        """The rules of train.method's row in tasks/methods.py, every broken one in one message."""
+        row = methods.method(self.train.method)
+        if row.registry and "name" not in self.export.model_fields_set:  # a registry of its own kind by default
+            self.export.name = row.registry
+        problems = [p for p in (_loss_problem(row, self.train.loss_type), _format_problem(row, self.data.format),
+                                *_field_problems(row, self.train), _parallel_problem(row, self.speed)) if p]
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.train.init_adapter == "champion":  # the champion of this run's own registry
             self.train.init_adapter = f"champion:{self.export.name}"
         return self
-
-    def _check_grpo(self) -> None:
-        if self.data.format not in ("auto", "prompts"):
-            raise ValueError(f"train.method=grpo samples answers to prompts, but data.format is {self.data.format}; "
-                             "set data.format to prompts or auto")
-        if not self.train.rewards:
-            raise ValueError("train.method=grpo learns from rewards, but train.rewards is empty: name at least one, "
-                             "e.g. [format] or [numeric_match] (docs/preference.md)")
-        if self.speed.num_gpus != 1 or self.speed.num_nodes != 1:
-            raise ValueError(f"train.method=grpo trains in one process here (several are not tried with TRL's "
-                             f"GRPOTrainer), but speed.num_gpus is {self.speed.num_gpus} and speed.num_nodes "
-                             f"{self.speed.num_nodes}; set both to 1")
-        answers = self.train.per_device_train_batch_size * self.train.gradient_accumulation_steps
-        if answers % self.train.num_generations:
-            raise ValueError(f"train.method=grpo samples train.num_generations={self.train.num_generations} answers "
-                             f"per prompt, which must divide the answers of an optimizer step "
-                             f"(per_device_train_batch_size x gradient_accumulation_steps = {answers}); e.g. set "
-                             f"train.per_device_train_batch_size={self.train.num_generations}")
 
     @model_validator(mode="after")
     def _check_nodes(self) -> RunConfig:

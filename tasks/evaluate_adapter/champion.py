@@ -20,10 +20,7 @@ damaged beyond repair: the gate falls back to its own night's numbers and says w
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +29,12 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from tasks.config import EvalArgs, ExportArgs
-from tasks.evaluate_adapter import grpo, preference
-from tasks.evaluate_adapter.generation import score
-from tasks.evaluate_adapter.stage import (
-    _attached,
-    _Base,
-    _batches,
-    _evaluate,
-    _held_out,
-    _memo,
-    _remembered,
-    _without_cudnn_attention,
-)
+from tasks.evaluate_adapter.outputs import without_cudnn_attention
+from tasks.evaluate_adapter.scorers import scorer_of, trained
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import cache_key
 from tasks.log import logger
-from tasks.models.loading import load_for_evaluation, load_tokenizer
-from tasks.models.memory import release_device_memory
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, EvalMetrics, read_manifest
-from tasks.on_disk.parquet_dataset import ParquetExamples
+from tasks.on_disk.manifest import EvalMetrics
 from tasks.pool.cpus import cpu_share
 from tasks.registry import store as registry
 from tasks.registry.gate import WEIGHTS, identity, same_adapter
@@ -87,21 +71,10 @@ def score_champion(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str
     if why:
         logger().info("score_champion: nothing to score: %s", why)
         return None
-    folder = root / current["version"]
-    data = read_manifest(Path(data_dir))
-    if isinstance(data.metrics, DataMetrics) and data.metrics.format in PREFERENCE_FORMATS:
-        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
-            scored = preference.evaluate(args, Path(data_dir), Path(model_dir), folder)[0]
-        metrics = {f"champion_{k.removeprefix('tuned_')}": v for k, v in scored.items() if k.startswith("tuned_")}
-    elif isinstance(data.metrics, DataMetrics) and data.metrics.format in PROMPT_FORMATS:
-        # this run's reward functions on the champion's greedy answers to this run's held-out prompts
-        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
-            scored = grpo.evaluate(args, grpo.train_args(Path(adapter_dir)), Path(data_dir), Path(model_dir),
-                                   folder)[0]
-        metrics = {f"champion_{k.removeprefix('tuned_')}": v for k, v in scored.items() if k.startswith("tuned_")}
-    else:
-        metrics = _scores(args, runs_dir, Path(data_dir), Path(model_dir), Path(eval_dir), folder,
-                          identity(current))
+    score = scorer_of(Path(adapter_dir)).champion  # this run's way of scoring, on this run's data
+    with cpu_share("evaluate_adapter"), without_cudnn_attention():
+        metrics = score(args, runs_dir, Path(data_dir), Path(model_dir), Path(adapter_dir), Path(eval_dir),
+                        root / current["version"], identity(current))
     metrics = {k: v for k, v in metrics.items() if k in EvalMetrics.model_fields}
     logger().info("score_champion: champion %s on this run's eval data: %s", current["version"],
                   ", ".join(f"{k.removeprefix('champion_')} {v:.4f}" for k, v in metrics.items()
@@ -115,6 +88,10 @@ def _nothing_to_score(root: Path, current: dict[str, Any] | None, model_dir: Pat
     restored from its export stage folder first (and the fallback is logged)."""
     if current is None:
         return "no champion yet"
+    ours, theirs = trained(adapter_dir), registry.record_method(root, current)
+    if ours.head != theirs.head:  # a scorer and a language model cannot be scored the same way
+        return (f"champion {current['version']} was trained by {theirs.name} (a {theirs.head} adapter), this adapter "
+                f"by {ours.name} (a {ours.head} adapter): one cannot be scored as the other")
     base_model = registry.base_identity(model_dir)
     if same_adapter(file_sha256(adapter_dir / "adapter" / WEIGHTS), base_model, current):
         return f"champion {current['version']} is this adapter"
@@ -127,38 +104,3 @@ def _nothing_to_score(root: Path, current: dict[str, Any] | None, model_dir: Pat
                          "falls back to its own night's numbers", why)
     return why
 
-
-def _scores(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, eval_dir: Path, folder: Path,
-            identity: str | None) -> dict[str, Any]:
-    """champion_eval_loss, _perplexity, _exact_match, _rouge_l: remembered beside this evaluation's base results,
-    else computed on its batches and prompts (the model is loaded only then)."""
-    examples = ParquetExamples(data_dir / "eval.parquet")
-    count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
-    prompts, references = _held_out(examples, count, args.generation_samples, data_dir)
-    memo = read_manifest(eval_dir).metrics.memo
-    found = runs_dir / "evaluate_adapter" / ".memo" / memo / f"champion-{identity}.json" if memo else None
-    if found is not None and found.is_file():
-        results = json.loads(found.read_text())
-        logger().info("score_champion: remembered from an earlier run on the same eval data, model and settings "
-                      "(%s)", found)
-    else:
-        with cpu_share("evaluate_adapter"), _without_cudnn_attention():
-            results = _compute(args, runs_dir, data_dir, model_dir, folder, identity, examples, count, prompts)
-    tokenizer = load_tokenizer(model_dir)
-    scored = score(results["answers"], [tokenizer.decode(r, skip_special_tokens=True) for r in references])
-    return {"champion_eval_loss": results["loss"], "champion_perplexity": math.exp(results["loss"]),
-            "champion_exact_match": scored["exact_match"], "champion_rouge_l": scored["rouge_l"]}
-
-
-def _compute(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, folder: Path, identity: str | None,
-             examples: ParquetExamples, count: int, prompts: list[list[int]]) -> dict[str, Any]:
-    """The champion's loss and answers, as evaluate_adapter computes the tuned adapter's, into the memo."""
-    tokenizer = load_tokenizer(model_dir)
-    base = _Base(partial(load_for_evaluation, model_dir, args.dequantize))
-    batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
-    memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit) if identity else None
-    results = _remembered(memo, f"champion-{identity}", lambda: _evaluate(
-        "champion", _attached(base.model, folder), tokenizer, batches, prompts, args, False))
-    base.model = None
-    release_device_memory()
-    return results

@@ -23,6 +23,39 @@ from typing import Any
 from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter.generation import greedy_generate, score
+from tasks.evaluate_adapter.outputs import samples, without_cudnn_attention, write
+from tasks.log import logger
+from tasks.reporting import artifacts
+
+
+def stage(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path, adapter_dir: Path
+          ) -> tuple[list[str], dict[str, Any]]:
+    """Reward accuracy and margin of base and tuned on the held-out pairs, and greedy answers, written into `out`;
+    the files written and the metrics."""
+    import json
+
+    from tasks.models.loading import load_tokenizer
+
+    with without_cudnn_attention():  # its answer batches are padded and masked too
+        metrics, refs, prompts, results = evaluate(args, data_dir, model_dir, adapter_dir / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    shown = samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
+    outputs = write(out, metrics, shown, results, False)
+    logger().info("evaluate_adapter: %s", json.dumps(metrics))
+    artifacts.eval_samples(shown, f"{len(shown)} held-out prompts answered greedily by the base model "
+                           "and by base + adapter, scored against the chosen answer")
+    return outputs, metrics
+
+
+def champion(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, adapter_dir: Path, eval_dir: Path,
+             folder: Path, identity: str | None) -> dict[str, Any]:
+    """The champion in `folder` scored as `evaluate` scores the tuned adapter: its champion_* metrics."""
+    return as_champion(evaluate(args, data_dir, model_dir, folder)[0])
+
+
+def as_champion(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The tuned_* entries of an evaluation's metrics as the champion's (champion_*)."""
+    return {f"champion_{k.removeprefix('tuned_')}": v for k, v in metrics.items() if k.startswith("tuned_")}
 
 
 def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter: Path

@@ -1,65 +1,31 @@
 """evaluate_adapter: base vs base + adapter on the held-out split -> metrics.json, samples.jsonl.
 
 Reads eval.parquet (prepare_data), the 4-bit checkpoint and tokenizer (prepare_model) and the adapter
-(train_adapter). For the base model, then the same model with the adapter (the base dequantized when it fits,
-eval.dequantize, and the adapter merged into it), on the very same batches and prompts:
-
-- the token-weighted mean loss over label tokens, and its perplexity;
-- greedy answers to the first eval.generation_samples prompts (the tokens before each example's first
-  label token), scored against the reference answers (its label tokens): exact match and ROUGE-L;
-- optionally lm-evaluation-harness tasks (eval.lm_eval_tasks) when lm_eval is installed.
+(train_adapter), and scores base and tuned on the very same held-out examples the way the method that trained the
+adapter is judged (tasks/methods.py): scorers.py's entry for it (sequences.py: loss, perplexity, greedy answers and
+lm-evaluation-harness tasks; preference.py: reward accuracy; prompts.py: the run's rewards; scores.py: a reward
+model's pairwise accuracy).
 
 Everything is deterministic (eval mode, greedy decoding, fixed batches): the same adapter and data give
 the same numbers. The registry's champion is not part of this stage: it changes as runs publish, while an
-adapter's evaluation does not, so score_champion (champion.py) scores it apart, on the same batches and prompts,
-for the promotion gate. Writes metrics.json, samples.jsonl (prompt, reference, base and tuned answers, their
-scores), lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go
-to a Prefect table artifact. The base model's results are also kept in runs_dir/evaluate_adapter/.memo/ (_memo),
-where the next evaluation on the same eval data, model and settings takes them instead of computing them again
-(score_champion keeps the champion's there too).
+adapter's evaluation does not, so score_champion (champion.py) scores it apart, on the same examples, for the
+promotion gate. Writes metrics.json, samples.jsonl (prompt, reference, base and tuned answers, their scores),
+lm_eval.json when tasks ran, and manifest.json into runs_dir/evaluate_adapter/<key>/; the samples also go to a
+Prefect table artifact.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
-import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 
 from tasks.config import EvalArgs
-from tasks.errors import UserError
-from tasks.evaluate_adapter import grpo, preference
-from tasks.evaluate_adapter.generation import (
-    by_length,
-    exact_match,
-    generation_tokens,
-    greedy_generate,
-    rouge_l,
-    score,
-    split_prompt,
-)
-from tasks.hashing.keys import cache_key
-from tasks.log import logger
-from tasks.models.loading import load_for_evaluation, load_tokenizer
-from tasks.models.memory import release_device_memory
-from tasks.on_disk import disk
+from tasks.evaluate_adapter import VERSION
+from tasks.evaluate_adapter.scorers import scorer_of
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, read_manifest, upstream_key
-from tasks.on_disk.parquet_dataset import ParquetExamples, pad_collator
 from tasks.pool.cpus import cpu_share
-from tasks.reporting import artifacts
-
-# 5: adapters merged into a dequantized base (tuned and champion numbers move in the last digits); 4: attention
-# without cuDNN on GPUs (last digits of the losses move, so memoised base results must not mix);
-# 3: length-sorted batches, dequantized evaluation; 2: generation metrics, samples.jsonl, lm-evaluation-harness
-VERSION = "5"
 
 
 def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> StageSpec:
@@ -72,320 +38,12 @@ def spec(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_
 
 @task(name="evaluate_adapter", **stage_task_options(spec))
 def evaluate_adapter(args: EvalArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str) -> str:
-    """Eval loss, perplexity and generation metrics of the base model and base + adapter."""
+    """Base model and base + adapter scored on the held-out split, as the adapter's training method is judged."""
     # this run's share of the host's cores for torch (tasks/pool/cpus.py)
     with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir)) as stage, cpu_share("evaluate_adapter"):
         if stage.done:
             return str(stage.dir)
-        data = read_manifest(Path(data_dir))
-        fmt = data.metrics.format if isinstance(data.metrics, DataMetrics) else None
-        evaluate = (_evaluate_preference if fmt in PREFERENCE_FORMATS  # dpo / kto data
-                    else _evaluate_prompts if fmt in PROMPT_FORMATS else _evaluate_sft)  # grpo: rewards
-        outputs, metrics = evaluate(args, runs_dir, stage.dir, Path(data_dir), Path(model_dir), Path(adapter_dir))
+        score = scorer_of(Path(adapter_dir)).stage
+        outputs, metrics = score(args, runs_dir, stage.dir, Path(data_dir), Path(model_dir), Path(adapter_dir))
         stage.finish(outputs, metrics)
         return str(stage.dir)
-
-
-def _evaluate_preference(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path,
-                         adapter_dir: Path) -> tuple[list[str], dict[str, Any]]:
-    """Preference data: reward accuracy and margin of base and tuned on the held-out pairs, and greedy answers
-    (preference.py), written into `out`; the files written and the metrics."""
-    with _without_cudnn_attention():  # its answer batches are padded and masked too
-        metrics, refs, prompts, results = preference.evaluate(args, data_dir, model_dir, adapter_dir / "adapter")
-    tokenizer = load_tokenizer(model_dir)
-    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-    outputs = _write(out, metrics, samples, results, False)
-    logger().info("evaluate_adapter: %s", json.dumps(metrics))
-    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model "
-                           "and by base + adapter, scored against the chosen answer")
-    return outputs, metrics
-
-
-def _evaluate_prompts(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path,
-                      adapter_dir: Path) -> tuple[list[str], dict[str, Any]]:
-    """Prompts (grpo): the run's reward functions on base's and tuned's greedy answers to the held-out prompts
-    (grpo.py), written into `out`; the files written and the metrics."""
-    train = grpo.train_args(adapter_dir)
-    with _without_cudnn_attention():
-        metrics, refs, prompts, results = grpo.evaluate(args, train, data_dir, model_dir, adapter_dir / "adapter")
-    tokenizer = load_tokenizer(model_dir)
-    shown = min(args.generation_samples, len(prompts))
-    texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts[:shown]]
-    samples = _samples(texts, (refs or [""] * len(prompts))[:shown], results)
-    for i, row in enumerate(samples):  # each answer's rewards, beside its text
-        row.update({f"{who}_rewards": {f: xs[i] for f, xs in r["rewards"].items()} for who, r in results.items()})
-    outputs = _write(out, metrics, samples, results, False)
-    logger().info("evaluate_adapter: mean reward on %d held-out prompts: base %.4f -> tuned %.4f (%s)",
-                  metrics["eval_prompts"], metrics["base_mean_reward"], metrics["tuned_mean_reward"],
-                  ", ".join(f"{f} {metrics['base_rewards'][f]} -> {metrics['tuned_rewards'][f]}"
-                            for f in metrics["tuned_rewards"]))
-    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and by "
-                           f"base + adapter, with their rewards ({', '.join(train.rewards)})")
-    return outputs, metrics
-
-
-def _evaluate_sft(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path, adapter_dir: Path
-                  ) -> tuple[list[str], dict[str, Any]]:
-    """Loss, perplexity and greedy answers of base and tuned on the held-out examples (the base's from the memo
-    where an earlier evaluation left them), written into `out`; the files written and the metrics."""
-    examples = ParquetExamples(data_dir / "eval.parquet")
-    count = len(examples) if args.max_samples is None else min(args.max_samples, len(examples))
-    if count == 0:
-        raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
-    tokenizer = load_tokenizer(model_dir)
-    base = _Base(partial(load_for_evaluation, model_dir, args.dequantize))
-    batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
-    prompts, references = _held_out(examples, count, args.generation_samples, data_dir)
-    run_lm_eval = _lm_eval_available(args.lm_eval_tasks)
-    logger().info("evaluate_adapter: %d eval examples in %d length-sorted batches, %d greedy answers, base "
-                  "model then base + adapter", count, len(batches), len(prompts))
-    memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit)
-    with _without_cudnn_attention():
-        results = _evaluate_all(base, adapter_dir / "adapter", tokenizer, batches, prompts, args, run_lm_eval, memo)
-    base.model = None  # the dequantized copy (or the 4-bit model) is not needed past this point
-    release_device_memory()
-    refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
-    samples = _samples([tokenizer.decode(p, skip_special_tokens=True) for p in prompts], refs, results)
-    metrics = {**_metrics(results, refs, count, args), "memo": memo and memo.name}
-    outputs = _write(out, metrics, samples, results, run_lm_eval)
-    logger().info("evaluate_adapter: %s", _readable(metrics))
-    artifacts.eval_samples(samples, f"{len(samples)} held-out prompts answered greedily by the base model and "
-                           f"by base + adapter (max {args.max_new_tokens} new tokens)" if samples else _NO_SAMPLES)
-    return outputs, metrics
-
-
-def _without_cudnn_attention() -> contextlib.AbstractContextManager[Any]:
-    """On a GPU: scaled_dot_product_attention without its cuDNN backend (flash, memory-efficient and math stay).
-
-    Why: evaluation's padded batches are masked bf16 calls, for which torch prefers cuDNN on sm90 and newer, and
-    cuDNN builds a graph for every new problem shape (each loss-batch shape and a new key length per decoding step),
-    which made the first pass several times slower (docs/performance.md, "Evaluation"). The memory-efficient kernel
-    takes the same masks precompiled."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def _batches(examples: ParquetExamples, count: int, size: int, pad_id: int) -> list[dict[str, Any]]:
-    """The first `count` examples, sorted by length, in padded batches of at most `size` times the longest
-    example's tokens: as much memory as a batch of `size` longest examples, far fewer batches when most are short.
-    The loss is a sum over label tokens, so the order of examples does not change it (beyond float rounding)."""
-    collate = pad_collator(pad_id)
-    rows = [examples[i] for i in range(count)]
-    return [collate([rows[i] for i in group]) for group in by_length([len(r["input_ids"]) for r in rows], size)]
-
-
-# what the eval-samples artifact says instead of "0 held-out prompts" above an empty table
-_NO_SAMPLES = ("No held-out prompts answered: eval.generation_samples is 0, or the eval examples have no prompt/answer "
-               "split (text data, or data.completion_only_loss off), so there is nothing to generate from.")
-
-
-def _held_out(examples: ParquetExamples, count: int, wanted: int, data_dir: Path
-              ) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompt and reference token ids of the first `wanted` eval examples that have a masked prompt."""
-    data = read_manifest(data_dir)
-    if wanted and isinstance(data.metrics, DataMetrics) and not data.metrics.completion_only_loss:
-        logger().info("evaluate_adapter: no generation metrics: the data trains on whole texts, so examples "
-                      "have no prompt/answer split (data.completion_only_loss is off)")
-        return [], []
-    pairs = [p for p in (split_prompt(**examples[i]) for i in range(count)) if p is not None][:wanted]
-    return [p for p, _ in pairs], [r for _, r in pairs]
-
-
-class _Base:
-    """The base model under evaluation, and whether it is evaluated in 4 bits (part of the memo's key)."""
-
-    def __init__(self, load: Callable[[], Any]) -> None:
-        self.model = load()
-        self.in_4bit = bool(getattr(self.model, "is_loaded_in_4bit", False))
-
-
-def _attached(model: Any, adapter: Path) -> Any:
-    """base + the adapter in `adapter`: merged into the weights of a dequantized base, else peft's LoRA layers on
-    the 4-bit one.
-
-    Why merged: a merged layer is one matmul, where peft's LoRA adds two more in float32 (the adapter's dtype) and
-    its casts, which made the tuned passes slower than the base model's (docs/performance.md, "Evaluation").
-    The tuned numbers are then those of the merged weights, each rounded to the compute dtype once, as export.merge
-    writes them."""
-    from peft import PeftModel
-
-    # peft's default load, not low_cpu_mem_usage: that one rounds the adapter's float32 weights to the base's bf16
-    # on the way in (checked against the file, peft 0.21), which moved the 8B job's tuned eval loss by 1e-5
-    attached = PeftModel.from_pretrained(model, adapter)
-    if not getattr(model, "is_loaded_in_4bit", False):
-        attached.merge_adapter()
-    return attached
-
-
-def _evaluate_all(base: _Base, adapter: Path, tokenizer: Any, batches: list[dict[str, Any]],
-                  prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool, memo: Path | None
-                  ) -> dict[str, dict[str, Any]]:
-    """base and tuned results, the adapter attached to the base (_attached); the base's taken from `memo` when an
-    earlier evaluation left them there."""
-
-    def evaluate(label: str, model: Any) -> dict[str, Any]:
-        return _evaluate(label, model, tokenizer, batches, prompts, args, run_lm_eval)
-
-    results = {"base": _remembered(memo, "base", lambda: evaluate("base", base.model))}
-    results["tuned"] = evaluate("tuned", _attached(base.model, adapter))
-    return results
-
-
-def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4bit: bool) -> Path | None:
-    """Where this evaluation's base and champion results are remembered: one folder per (eval.parquet's bytes, the
-    4-bit model, the eval settings, whether it evaluates in 4 bits, this code's VERSION, the device), under
-    runs_dir/evaluate_adapter/.memo.
-
-    Why: a nightly run trains a new adapter, but on a fixed eval set (data.eval_source) the base model's and the
-    champion's numbers are the same every night (evaluation is deterministic: the same batches and greedy prompts);
-    only the tuned adapter needs computing (the base model's passes were about half of evaluate_adapter's time:
-    docs/performance.md, "Evaluation"). The device is in the key: a GPU's
-    kernels give other last digits than the CPU's, and a CPU's can change with its number of threads. None when
-    prepare_data recorded no hash of eval.parquet."""
-    import torch
-
-    digest = (read_manifest(data_dir).hashes or {}).get("eval.parquet")
-    if not digest:
-        return None
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
-    inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
-              "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
-    return runs_dir / "evaluate_adapter" / ".memo" / cache_key(inputs)
-
-
-def _remembered(memo: Path | None, who: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`who`'s results from the memo folder, else computed and written there whole."""
-    path = memo / f"{who}.json" if memo is not None else None
-    if path is not None and path.is_file():
-        results = json.loads(path.read_text())
-        logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens and its %d answers, as an "
-                      "earlier run computed them on the same eval data, model and settings (%s)", who.split("-")[0],
-                      results["loss"], results["tokens"], len(results["answers"]), path)
-        return results
-    results = compute()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        disk.write_whole(path, json.dumps(results, default=str))
-    return results
-
-
-def _evaluate(label: str, model: Any, tokenizer: Any, batches: list[dict[str, Any]], prompts: list[list[int]],
-              args: EvalArgs, run_lm_eval: bool) -> dict[str, Any]:
-    start = time.perf_counter()
-    loss, tokens = mean_loss(model, batches)
-    logger().info("evaluate_adapter: %s model: eval loss %.4f over %d label tokens (%.1fs); generating %d answers "
-                  "(at most %d new tokens each)", label, loss, tokens, time.perf_counter() - start, len(prompts),
-                  args.max_new_tokens)
-    start = time.perf_counter()
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    # the largest loss batch's memory bounds a generation batch (generation_tokens)
-    budget = generation_tokens(model, max(b["input_ids"].numel() for b in batches)) if batches else None
-    answers = greedy_generate(model, prompts, args.per_device_eval_batch_size, args.max_new_tokens,
-                              tokenizer.pad_token_id, eos, budget)
-    if prompts:
-        logger().info("evaluate_adapter: %s model: %d answers generated (%.1fs)", label, len(answers),
-                      time.perf_counter() - start)
-    return {"loss": loss, "tokens": tokens, "answers": [tokenizer.decode(a, skip_special_tokens=True)
-                                                       for a in answers],
-            "lm_eval": _lm_eval(model, tokenizer, args) if run_lm_eval else None}
-
-
-def _samples(prompts: list[str], refs: list[str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per greedy prompt: the reference, then each model's answer (base, tuned), then their scores."""
-    rows = []
-    for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
-        answers = {who: r["answers"][i] for who, r in results.items()}
-        rows.append({"prompt": prompt, "reference": ref, **{f"{w}_output": a for w, a in answers.items()},
-                     **{f"{w}_exact_match": exact_match(a, ref) for w, a in answers.items()},
-                     **{f"{w}_rouge_l": round(rouge_l(a, ref), 4) for w, a in answers.items()}})
-    return rows
-
-
-def _metrics(results: dict[str, dict[str, Any]], refs: list[str], count: int, args: EvalArgs) -> dict[str, Any]:
-    base, tuned = results["base"], results["tuned"]
-    metrics = {f"{who}_eval_loss": r["loss"] for who, r in results.items()}
-    metrics.update({f"{who}_perplexity": math.exp(r["loss"]) for who, r in results.items()})
-    metrics.update(eval_examples=count, eval_tokens=base["tokens"],
-                   relative_improvement=(base["loss"] - tuned["loss"]) / base["loss"])
-    scored = {who: score(r["answers"], refs) for who, r in results.items()}
-    metrics.update({f"{who}_exact_match": s["exact_match"] for who, s in scored.items()})
-    metrics.update({f"{who}_rouge_l": s["rouge_l"] for who, s in scored.items()})
-    metrics.update(generation_samples=len(refs), max_new_tokens=args.max_new_tokens)
-    if args.lm_eval_tasks:
-        metrics["lm_eval"] = "lm_eval.json" if base["lm_eval"] is not None else "skipped: lm_eval not installed"
-    return metrics
-
-
-def _readable(m: dict[str, Any]) -> str:
-    """The metrics as one sentence for the run log (metrics.json and the artifacts hold them all)."""
-    text = (f"eval loss base {m['base_eval_loss']:.4f} -> tuned {m['tuned_eval_loss']:.4f} "
-            f"({100 * m['relative_improvement']:.1f}% lower), perplexity {m['base_perplexity']:.2f} -> "
-            f"{m['tuned_perplexity']:.2f} over {m['eval_examples']} examples ({m['eval_tokens']} label tokens)")
-    if m["generation_samples"]:
-        text += (f"; {m['generation_samples']} greedy answers: exact match {m['base_exact_match']:.3f} -> "
-                 f"{m['tuned_exact_match']:.3f}, ROUGE-L {m['base_rouge_l']:.3f} -> {m['tuned_rouge_l']:.3f}")
-    return text
-
-
-def _write(folder: Path, metrics: dict[str, Any], samples: list[dict[str, Any]], results: dict[str, dict[str, Any]],
-           run_lm_eval: bool) -> list[str]:
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    if not run_lm_eval:
-        return ["metrics.json", "samples.jsonl"]
-    (folder / "lm_eval.json").write_text(json.dumps({who: r["lm_eval"] for who, r in results.items()},
-                                                    indent=2, default=str))
-    return ["metrics.json", "samples.jsonl", "lm_eval.json"]
-
-
-def _lm_eval_available(tasks: list[str]) -> bool:
-    if not tasks:
-        return False
-    try:
-        import lm_eval  # noqa: F401 - optional dependency, only probed
-    except ImportError:
-        logger().warning("evaluate_adapter: eval.lm_eval_tasks=%s skipped: lm-evaluation-harness is not installed "
-                         "(pip install lm-eval; its tasks' datasets must be reachable or cached)", tasks)
-        return False
-    return True
-
-
-def _lm_eval(model: Any, tokenizer: Any, args: EvalArgs) -> dict[str, Any]:
-    """lm-evaluation-harness results per task for an in-memory model (base, or base + adapter)."""
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.per_device_eval_batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(args.lm_eval_tasks), limit=args.limit)["results"]
-
-
-def mean_loss(model: Any, batches: list[dict[str, Any]]) -> tuple[float, int]:
-    """Token-weighted mean next-token loss over label tokens, and the number of those tokens."""
-    import torch
-
-    model.eval()
-    device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # counted on the host's copies
-    first = time.perf_counter()
-    with torch.no_grad():
-        for index, batch in enumerate(batches):
-            if index == 1 and device.type == "cuda":  # one-time costs (a kernel's first use) show in the log
-                torch.cuda.synchronize()
-                if time.perf_counter() - first > 1:
-                    logger().info("evaluate_adapter: the first loss batch took %.1fs", time.perf_counter() - first)
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            targets = batch["labels"][:, 1:]
-            losses = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                ignore_index=-100, reduction="none")
-            # float64 running sum, kept on the device: no host sync per batch, and the sum hardly depends on
-            # how examples are grouped into batches
-            total += losses.double().sum()
-    return total.item() / tokens, tokens

@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 from prefect import task
 
+from tasks import methods
 from tasks.config import ExportArgs, RunConfig
 from tasks.errors import UserError
 from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
@@ -83,7 +84,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         point_at_base_model(stage.dir / "adapter_config.json", config["model"]["base_model"])
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if args.merge:
-            outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args)
+            outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args,
+                             manifests["train_adapter"].method().head)
         ggufs = write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf) if args.merge else []
         ggufs += write_lora_gguf(stage.dir, stage.dir / "merged" / "config.json", stage.dir / "gguf",
                                  args.gguf) if args.merge else []
@@ -113,6 +115,7 @@ def _lineage(manifests: dict[str, Manifest], model_dir: Path, args: ExportArgs) 
     """What the version record keeps for later runs: the base model and train_adapter key (to score it on their
     data), what its evaluation measured (like with like), its evaluation key and export settings (published)."""
     return {"base_model": registry.base_identity(model_dir), "adapter_key": manifests["train_adapter"].key,
+            "method": manifests["train_adapter"].method().name,
             "measure": registry.measure(manifests["prepare_data"].metrics.model_dump()),
             "evaluation": manifests["evaluate_adapter"].key,
             "export": registry.settings(args.model_dump(mode="json"))}
@@ -135,8 +138,9 @@ def _fmt(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[str]:
-    """Dequantize the 4-bit base, merge the adapter in, save safetensors and the tokenizer; the files written."""
+def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs, head: str = "causal_lm") -> list[str]:
+    """Dequantize the 4-bit base, merge the adapter in, save safetensors and the tokenizer; the files written.
+    `head`: the adapter's (a reward model's is a score head, saved with the merged model)."""
     import torch
     from peft import PeftModel
 
@@ -146,7 +150,7 @@ def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs) -> list[s
     # merge into the dequantized NF4 weights, the very weights the adapter was trained against (not the
     # original full-precision ones, whose quantization error the adapter never saw)
     start = time.perf_counter()
-    quantized = load_quantized(model_dir)
+    quantized = load_quantized(model_dir, head=head)
     loaded = time.perf_counter()
     conv1d = _conv1d_names(quantized)
     base = quantized.dequantize().to(getattr(torch, args.merged_dtype))
@@ -207,21 +211,16 @@ def _run_config(manifests: dict[str, Manifest], args: ExportArgs) -> dict[str, A
         mode="json", exclude={"runs_dir"})
 
 
-def _reward_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
-    """grpo: the mean held-out reward (what the gate compares) and each reward function's mean, as card rows."""
-    if metrics.get("tuned_mean_reward") is None:
-        return []
-    return [("mean reward (gated)", "mean_reward"),
-            *[(f"reward {name}", f"rewards.{name}") for name in metrics.get("tuned_rewards") or {}]]
-
-
-def _rewards_note(metrics: dict[str, Any]) -> str:
-    """grpo: what the loss and the rewards of the card's table are."""
-    if metrics.get("tuned_mean_reward") is None:
-        return ""
-    return ("\nTrained with GRPO: the rewards are the run's reward functions on those greedy answers (mean reward: "
-            "their sum, averaged over the answers; the promotion gate compares it); the loss is that of the prompts' "
-            "own tokens.")
+def _method_rows(method: methods.Method, metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """The card's rows of what the method shows beside the loss (tasks/methods.py), its measure marked; a metric
+    that is one number per name (a reward per function) is a row per name."""
+    rows = []
+    for label, key in method.shown:
+        value = metrics.get(f"tuned_{key}")
+        gated = " (gated)" if key == method.measure.key else ""
+        rows += ([(f"{label} {name}", f"{key}.{name}") for name in value] if isinstance(value, dict)
+                 else [(label + gated, key)])
+    return rows
 
 
 def _metric(metrics: dict[str, Any], who: str, key: str) -> Any:
@@ -241,7 +240,11 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     revision = model.fingerprint.get("hub_commit") or config["model"]["revision"]
     judged = metrics.get("judged_against")
     who = ["base", *(["champion"] if judged else []), "tuned"]
-    rows = METRIC_ROWS + _reward_rows(metrics)
+    method = manifests["train_adapter"].method()
+    rows = METRIC_ROWS + _method_rows(method, metrics)
+    # a scorer (a reward model) loads as a sequence classifier with one output, its score head from the adapter
+    loader, labels = (("AutoModelForCausalLM", "") if method.head == "causal_lm" else
+                      ("AutoModelForSequenceClassification", ", num_labels=1"))
     table = "\n".join(f"| {label} | " + " | ".join(_fmt(_metric(metrics, w, key)) for w in who) + " |"
                       for label, key in rows)
     header = "| metric | base |" + (f" champion {judged} |" if judged else "") + " tuned (this adapter) |"
@@ -250,9 +253,9 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
     verdict = "" if record is None else (f"\nRegistry: `{name}` **{record['version']}**, {record['promotion']}: "
                                          f"{record['reason']}.\n")
     merged = ("\nThe merged model (base dequantized, adapter merged in) is in `merged/`: "
-              f"`AutoModelForCausalLM.from_pretrained(\"{folder / 'merged'}\")`, no peft needed.\n"
+              f"`{loader}.from_pretrained(\"{folder / 'merged'}\"{labels})`, no peft needed.\n"
               if config["export"]["merge"] else "")
-    grpo = _rewards_note(metrics)
+    note = f"\n{method.card_note}" if method.card_note else ""
     loras = [Path(g).name for g in ggufs or [] if Path(g).name.startswith("lora-")]
     ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf") and Path(g).name not in loras]
     merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
@@ -267,7 +270,8 @@ tags: [qlora, lora, peft]
 
 # {name}
 
-A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_type']} base) by qlora-pipeline.
+A LoRA adapter for `{base}` trained ({method.name}) with QLoRA (4-bit {quant['bnb_4bit_quant_type']} base) by
+qlora-pipeline.
 {verdict}
 - Base model: `{base}`, revision `{revision or 'local folder'}`, fingerprint `{json.dumps(model.fingerprint)}`
 - Data: `{config['data']['source']}` ({data.metrics.format} format), fingerprint
@@ -281,7 +285,7 @@ A LoRA adapter for `{base}` trained with QLoRA (4-bit {quant['bnb_4bit_quant_typ
 
 Loss and perplexity over {metrics['eval_examples']} held-out examples ({metrics['eval_tokens']} label tokens);
 exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 0)} held-out prompts (at most
-{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter{versus}, in the same pass.{grpo}
+{metrics.get('max_new_tokens', 'n/a')} new tokens), base model vs base + this adapter{versus}, in the same pass.{note}
 
 {header}
 {table}
@@ -291,12 +295,12 @@ exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 
 ```python
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import {loader}, AutoTokenizer, BitsAndBytesConfig
 
 quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="{quant['bnb_4bit_quant_type']}",
                            bnb_4bit_use_double_quant={quant['bnb_4bit_use_double_quant']},
                            bnb_4bit_compute_dtype=torch.{model.metrics.compute_dtype})
-base = AutoModelForCausalLM.from_pretrained("{base}", revision={revision!r}, quantization_config=quant)
+base = {loader}.from_pretrained("{base}", revision={revision!r}, quantization_config=quant{labels})
 model = PeftModel.from_pretrained(base, "{folder}")
 tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```

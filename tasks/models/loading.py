@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from tasks.log import logger
 from tasks.models.dequantize import dequantize_decision, dequantize_in_place
@@ -59,21 +59,39 @@ def compute_dtype(choice: str) -> torch.dtype:
 LOAD_KWARGS = {"use_kernels": False}
 
 
-def load_quantized(model_dir: Path) -> Any:
-    """The 4-bit checkpoint written by prepare_model, on this machine's device, ready for training."""
+def load_quantized(model_dir: Path, head: Literal["causal_lm", "score"] = "causal_lm") -> Any:
+    """The 4-bit checkpoint written by prepare_model, on this machine's device, ready for training; with head "score"
+    as a sequence scorer (a reward model): its language-model head left out, a new one-output score head in its
+    place (drawn from torch's generator: seed it first), which reads the last token that is not padding."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     made = read_model_metrics(model_dir)
+    kind, extra = ((AutoModelForCausalLM, {}) if head == "causal_lm" else
+                   (AutoModelForSequenceClassification, {"num_labels": 1}))
     # bnb needs the non-quantized weights' dtype == the 4-bit layers' compute dtype
-    with plain_linear_layers(model_dir):
-        model = AutoModelForCausalLM.from_pretrained(
+    with plain_linear_layers(model_dir), _quiet_new_head(head):
+        model = kind.from_pretrained(
             model_dir, dtype=getattr(torch, made.compute_dtype),  # one GPU per data-parallel rank (LOCAL_RANK)
             device_map={"": int(os.environ.get("LOCAL_RANK", 0))} if device() == "cuda" else "cpu",
-            attn_implementation=made.attn_implementation, **LOAD_KWARGS,
+            attn_implementation=made.attn_implementation, **LOAD_KWARGS, **extra,
         )
+    if head == "score":  # the scorer finds each row's last token by the pad id: the tokenizer's
+        model.config.pad_token_id = load_tokenizer(model_dir).pad_token_id
     keep_cpu_repacking_to_fitting_shapes(model)
     return model
+
+
+def _quiet_new_head(head: str) -> Any:
+    """Loading a causal checkpoint as a scorer prints a report of the head it leaves out and the one it adds: that
+    is the point, not a problem (TRL's own context for it)."""
+    import contextlib
+
+    if head == "causal_lm":
+        return contextlib.nullcontext()
+    from trl.trainer.reward_trainer import suppress_seqcls_warning
+
+    return suppress_seqcls_warning()
 
 
 def read_model_metrics(model_dir: Path) -> ModelMetrics:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from tasks import methods
 from tasks.hashing.files import HashMemo
 
 MANIFEST = "manifest.json"
@@ -30,11 +31,6 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "export_adapter": ("adapter_config.json", "adapter_model.safetensors", "run_config.yaml", "README.md",
                        "published/version.json"),
 }
-
-
-PREFERENCE_FORMATS = ("preference", "unpaired_preference")  # prepare_data formats for train.method dpo / kto
-PROMPT_FORMATS = ("prompts",)  # for train.method grpo
-TRL_FORMATS = (*PREFERENCE_FORMATS, *PROMPT_FORMATS)  # written in TRL's columns by prepare_data, not as sequences
 
 
 class _Metrics(BaseModel):
@@ -100,9 +96,9 @@ class TrainMetrics(_Metrics):
     gradient_accumulation_steps: int
     processes: int
     sharding: Literal["none", "ddp", "fsdp"]
-    method: Literal["sft", "dpo", "kto", "grpo"] = "sft"
-    # grpo: the reward functions (train.rewards) and the last logged step's mean reward and KL (loss.jsonl has each
-    # logged step's)
+    method: Literal[methods.NAMES] = methods.METHODS[0].name  # type: ignore[valid-type]
+    # methods that learn from rewards: the reward functions (train.rewards; a reward model pinned to its version) and
+    # the last logged step's mean reward and KL (loss.jsonl has each logged step's)
     rewards: list[str] | None = None
     last_reward: float | None = None
     last_kl: float | None = None
@@ -110,8 +106,8 @@ class TrainMetrics(_Metrics):
     # recompute_mlp_layers, chunk_recomputed, offloads, predicted_peak_gib, budget_gib); compare predicted_peak_gib
     # with peak_gpu_allocated_gib
     memory_plan: dict[str, Any] | None = None
-    # dpo/kto: TRL's loss on the real tokens only (speed.packing; tasks/train_adapter/levers/padding_free.py), and for
-    # DPO the micro-batches of whole pairs per epoch that packing made (None: TRL's batches of per_device pairs)
+    # pairs and rated answers: TRL's loss on the real tokens only (speed.packing; train_adapter/levers/padding_free.py),
+    # and for DPO the micro-batches of whole pairs per epoch that packing made (None: TRL's batches of per_device pairs)
     padding_free: bool | None = None
     micro_batches_per_epoch: int | None = None
     tracking: dict[str, dict[str, str]] = {}  # the tracking runs this training reported into, by backend
@@ -140,6 +136,8 @@ class ChampionScores(_Metrics):
     champion_preference_accuracy: float | None = None
     champion_mean_reward: float | None = None
     champion_rewards: dict[str, float | None] | None = None
+    champion_pairwise_accuracy: float | None = None
+    champion_score_margin: float | None = None
 
 
 class EvalMetrics(ChampionScores):
@@ -148,8 +146,8 @@ class EvalMetrics(ChampionScores):
 
     base_eval_loss: float
     tuned_eval_loss: float
-    base_perplexity: float
-    tuned_perplexity: float
+    base_perplexity: float | None  # None for a scorer (a reward model), whose loss is no language model's
+    tuned_perplexity: float | None
     eval_examples: int
     eval_tokens: int
     relative_improvement: float
@@ -160,7 +158,7 @@ class EvalMetrics(ChampionScores):
     generation_samples: int
     max_new_tokens: int
     lm_eval: str | None = None
-    # preference data (train.method dpo/kto; docs/preference.md). reward = log p(answer) - log p_base(answer),
+    # preference data (evaluate_adapter/preference.py; docs/preference.md). reward = log p(answer) - log p_base(answer),
     # summed over the answer's tokens; accuracy = share of held-out pairs with reward(chosen) > reward(rejected)
     # (ties count half, so the base model scores 0.5); margin = mean reward(chosen) - reward(rejected)
     eval_pairs: int | None = None
@@ -174,7 +172,7 @@ class EvalMetrics(ChampionScores):
     tuned_rejected_logps: float | None = None
     base_preference_accuracy: float | None = None  # share with log p(chosen) > log p(rejected), no reference
     tuned_preference_accuracy: float | None = None
-    # prompts (train.method grpo; evaluate_adapter/grpo.py): the run's reward functions on greedy answers to the
+    # prompts (evaluate_adapter/prompts.py): the run's reward functions on greedy answers to the
     # held-out prompts; mean_reward = the mean over answers of their summed rewards (the gate compares it), rewards =
     # each function's mean; eval loss and perplexity are the prompts' own tokens' (a drift check)
     eval_prompts: int | None = None
@@ -182,6 +180,12 @@ class EvalMetrics(ChampionScores):
     tuned_mean_reward: float | None = None
     base_rewards: dict[str, float | None] | None = None
     tuned_rewards: dict[str, float | None] | None = None
+    # a scorer (evaluate_adapter/scores.py): the share of held-out pairs it scores the right way round (ties half; the
+    # base model, without a score head, ties every pair: 0.5) and the mean score(chosen) - score(rejected)
+    base_pairwise_accuracy: float | None = None
+    tuned_pairwise_accuracy: float | None = None
+    base_score_margin: float | None = None
+    tuned_score_margin: float | None = None
     # where the base model's results on this eval data are remembered (runs_dir/evaluate_adapter/.memo/<memo>), so
     # the champion's are looked up there without loading the model (score_champion); None: eval.parquet unhashed
     memo: str | None = None
@@ -240,6 +244,10 @@ class Manifest(BaseModel):
             data = {**data, "metrics": METRICS[data["stage"]].model_validate(data["metrics"])}
         return data
 
+    def method(self) -> methods.Method:
+        """The training method of a train_adapter manifest (its train.method; the first row's for manifests from
+        before there were methods)."""
+        return methods.method(self.params.get("train", {}).get("method", methods.METHODS[0].name))
 
 
 def read_manifest(folder: Path) -> Manifest | None:

@@ -31,11 +31,12 @@ from tasks.config import DataArgs, ModelArgs
 from tasks.errors import UserError
 from tasks.hashing.keys import cache_key
 from tasks.log import logger
+from tasks.methods import data_kind
 from tasks.models.loading import load_tokenizer
 from tasks.models.sources import TOKENIZER_FILES, max_positions, model_fingerprint, model_path
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageRun, StageSpec, open_stage
-from tasks.on_disk.manifest import PROMPT_FORMATS, TRL_FORMATS, DataMetrics, read_manifest
+from tasks.on_disk.manifest import DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_threads
 from tasks.prepare_data import overlap, parts, preference, prompts
 from tasks.prepare_data.formats import CHAT_TEMPLATES, detect_format
@@ -71,7 +72,7 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
         train_src = _Source(args, "data.source")
         eval_src = _Source(_eval_args(args), "data.eval_source") if args.eval_source else None
         _check_same_kind(args, train_src, eval_src)
-        write = _write_trl if train_src.fmt in TRL_FORMATS else _write_sft  # pairs and prompts: TRL's own columns
+        write = _write_sft if data_kind(train_src.fmt) == "sequences" else _write_trl  # pairs, prompts: TRL's columns
         stage.finish(OUTPUTS, write(args, model, stage, train_src, eval_src))
         return str(stage.dir)
 
@@ -79,15 +80,11 @@ def prepare_data(args: DataArgs, model: ModelArgs, runs_dir: Path) -> str:
 def _check_same_kind(args: DataArgs, train_src: _Source, eval_src: _Source | None) -> None:
     """Fail when data.eval_source holds another kind of example than data.source (pairs against sequences)."""
     fmt = train_src.fmt
-    if eval_src is not None and _kind(eval_src.fmt) != _kind(fmt):
+    if eval_src is not None and data_kind(eval_src.fmt) != data_kind(fmt):
         raise UserError(f"data.eval_source={args.eval_source!r} is in the {eval_src.fmt} format and data.source "
                         f"in the {fmt} format: evaluation needs the kind of examples training has (preference "
                         "pairs for both, prompts for both, or instruction/chat/text for both). Point "
                         "data.eval_source at such data.")
-
-
-def _kind(fmt: str) -> str:
-    return "prompts" if fmt in PROMPT_FORMATS else "preference" if fmt in TRL_FORMATS else "sequences"
 
 
 def _write_trl(args: DataArgs, model: ModelArgs, stage: StageRun, train_src: _Source,
@@ -96,7 +93,7 @@ def _write_trl(args: DataArgs, model: ModelArgs, stage: StageRun, train_src: _So
     train.parquet and eval.parquet in TRL's columns; their metrics."""
     fmt = train_src.fmt
     tokenizer = load_tokenizer(model_path(model.base_model, model.revision))
-    writer = prompts.write if fmt in PROMPT_FORMATS else preference.write
+    writer = prompts.write if data_kind(fmt) == "prompts" else preference.write
     metrics, shared = writer(args, tokenizer, fmt, train_src.raw(), train_src.problems, stage.dir,
                                        VERSION, eval_src.raw() if eval_src else None,
                                        eval_src.problems if eval_src else None)

@@ -43,6 +43,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from tasks import methods
 from tasks.errors import UserError
 from tasks.hashing.files import file_sha256
 from tasks.hashing.keys import cache_key
@@ -60,11 +61,12 @@ ADAPTER_FILES = ("adapter_config.json", WEIGHTS)
 _REQUIRED = {"version": str, "path": str, "promotion": str, "reason": str, "metrics": dict, "stage_key": str,
              "source": str}
 _OPTIONAL = {"files": dict, "base_model": str, "adapter_key": str, "eval_data": str, "rule": str, "published_at": str,
+             "method": str,
              "champion_before": (dict, type(None)), "measure": (dict, type(None)), "formats": list,
              "evaluation": str, "export": dict}
-# read by the gate and the history: numbers (or null) where present
-_METRIC_NUMBERS = ("base_eval_loss", "champion_eval_loss", "base_reward_accuracy", "tuned_reward_accuracy",
-                   "champion_reward_accuracy", "base_mean_reward", "tuned_mean_reward", "champion_mean_reward")
+# read by the gate and the history: numbers (or null) where present (every method's measure: tasks/methods.py)
+_METRIC_NUMBERS = tuple(dict.fromkeys(f"{who}_{m.measure.key}" for m in methods.METHODS
+                                      for who in ("base", "tuned", "champion")))
 
 
 def registry_dir(runs_dir: Path, name: str) -> Path:
@@ -412,6 +414,17 @@ def _measure(root: Path, record: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def record_method(root: Path, record: dict[str, Any]) -> methods.Method:
+    """The method that trained a version: its record's; for records from before methods were recorded, the one its
+    train_adapter manifest names (the record's adapter_key, under this runs_dir), else the first row's (what every
+    run trained before there were methods)."""
+    name = record.get("method")
+    if name is None and isinstance(record.get("adapter_key"), str):
+        made = read_manifest(root.parent.parent / "train_adapter" / record["adapter_key"])
+        name = made.method().name if made is not None else None
+    return methods.BY_NAME.get(name or "", methods.METHODS[0])
+
+
 def measure(data_metrics: dict[str, Any]) -> dict[str, Any]:
     """What an evaluation's numbers measure, from prepare_data's metrics: the data format (text, chat, preference,
     ...), which tokens count (the answers only, or whole texts) and the chat template."""
@@ -457,7 +470,8 @@ def publish(root: Path, source: Path, stage_key: str, metrics: dict[str, Any], m
                                                   if k in current},
                   "published_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         promotion, reason, decided_by = verdict(record, current, current and formats(root / current["version"]),
-                                                current and _measure(root, current), why, accept_new_measure)
+                                                current and _measure(root, current), why, accept_new_measure,
+                                                current and record_method(root, current))
         if decided_by == "same-adapter" and nothing_to_add(reason):  # it is the champion already
             _keep_published(root / current["version"], source)
             own = {k: v for k, v in current["metrics"].items() if not k.startswith("champion_")
@@ -573,21 +587,19 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def history(root: Path) -> list[dict[str, Any]]:
     """One row per version with an intact record, oldest first: its tuned loss, the loss of the champion it was
-    scored beside on the same night (same data), verdict, rule and date; the registry-history artifact and
-    `qlora-pipeline history` (which heal the registry first)."""
+    scored beside on the same night (same data), and likewise the measure its method is judged on (tasks/methods.py)
+    where that is not the loss; verdict, rule and date. The registry-history artifact and `qlora-pipeline history`
+    (which heal the registry first)."""
     rows = []
     for r in _records(root)[0]:
-        m = r["metrics"]
+        m, measure = r["metrics"], record_method(root, r).measure
         row = {"version": r["version"], "published": r.get("published_at", "")[:16].replace("T", " "),
                "tuned eval loss": m["tuned_eval_loss"], "judged against": _text(m.get("judged_against")),
                "champion same-night loss": m.get("champion_eval_loss"), "verdict": r["promotion"],
                "rule": r.get("rule", "cross-night" if r.get("champion_before") else "first")}
-        if m.get("tuned_reward_accuracy") is not None:
-            row.update({"tuned reward accuracy": m["tuned_reward_accuracy"],
-                        "champion same-night reward accuracy": m.get("champion_reward_accuracy")})
-        if m.get("tuned_mean_reward") is not None:
-            row.update({"tuned mean reward": m["tuned_mean_reward"],
-                        "champion same-night mean reward": m.get("champion_mean_reward")})
+        if measure != methods.LOSS:
+            row.update({f"tuned {measure.label}": m.get(f"tuned_{measure.key}"),
+                        f"champion same-night {measure.label}": m.get(f"champion_{measure.key}")})
         rows.append(row)
     return rows
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks import methods
 from tasks.config import RunConfig
 from tasks.log import current_run_attempt
 from tasks.on_disk import disk
@@ -44,7 +45,8 @@ def record_run(config: RunConfig, stage_dirs: list[str], serving: dict[str, Any]
         metrics.update(registry_now(config, Path(stage_dirs[-1])),
                        export_published="by this run" if stages["export_adapter"]["status"] != "cached"
                        else "by an earlier run")
-    summary = {"run_dir": str(run_dir), "stages": stages, "metrics": metrics, "export_dir": stage_dirs[-1],
+    summary = {"run_dir": str(run_dir), "method": config.train.method, "stages": stages, "metrics": metrics,
+               "export_dir": stage_dirs[-1],
                **({"serving": serving} if serving is not None else {})}
     train_dir = Path(stages["train_adapter"]["dir"])
     files = {"loss.png": loss_curve(train_dir / "loss.jsonl", run_dir / "loss.png", write=False)}
@@ -52,7 +54,8 @@ def record_run(config: RunConfig, stage_dirs: list[str], serving: dict[str, Any]
     if "promotion" in metrics:  # every run, cached or not: the nightly report is right when nothing changed
         root = registry.registry_dir(config.runs_dir, config.export.name)
         champion = registry.champion(root)
-        artifacts.table("eval-metrics", eval_table(metrics, champion), f"{metrics['export_name']} "
+        artifacts.table("eval-metrics", eval_table(metrics, champion, methods.method(config.train.method)),
+                        f"{metrics['export_name']} "
                         f"{metrics['export_version']} {metrics['promotion']}: {metrics['promotion_reason']} "
                         f"Champion now: {metrics['champion_version'] or 'none'}.")
         files["registry-history.png"] = artifacts.registry_history(
@@ -95,7 +98,8 @@ _METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exac
                 ("ROUGE-L", "rouge_l")]
 
 
-def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list[dict[str, Any]]:
+def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None, method: methods.Method
+               ) -> list[dict[str, Any]]:
     """Rows for the eval-metrics table artifact: base, the champion scored in this run, tuned (this run's adapter),
     all on this run's eval data; then the champion now, on its own night's data, when it is another version."""
     judged = metrics.get("judged_against")
@@ -105,10 +109,9 @@ def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None) -> list
     rows.append((f"tuned ({metrics['export_version']}, {metrics['promotion']})", "tuned", metrics, "this run's"))
     if champion is not None and champion["version"] != judged:
         rows.append((f"champion now ({champion['version']})", "tuned", champion["metrics"], "its own night's"))
-    # a column of n/a on an SFT run (whose metrics hold the key as None) reads as a missing result
-    preference = metrics.get("tuned_reward_accuracy") is not None
-    names = _METRIC_ROWS + ([("reward accuracy", "reward_accuracy")] if preference else [])
-    names += [("mean reward", "mean_reward")] if metrics.get("tuned_mean_reward") is not None else []  # grpo
+    # the method's own numbers (tasks/methods.py), one number each (a reward per function is the samples' to show)
+    names = _METRIC_ROWS + [(label, key) for label, key in method.shown
+                            if not isinstance(metrics.get(f"tuned_{key}"), dict)]
     return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
             for label, prefix, m, data in rows]
 

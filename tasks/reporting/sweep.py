@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from tasks import methods
 from tasks.config import TrackArgs
 from tasks.errors import UserError
 from tasks.log import current_run_attempt, logger
@@ -31,7 +32,7 @@ def rank(plan: Plan, outcomes: list[Outcome], data_dir: str, track: TrackArgs) -
     """Rank the candidates' outcomes, write the comparison (artifact and files) and log it to the sweep's tracked
     run (`track`: the candidates' track section, tracking.open_sweep's); fail if none finished."""
     eval_data = read_manifest(Path(data_dir)).key
-    ranking = Ranking(plan, order(outcomes, eval_data), eval_data)
+    ranking = Ranking(plan, order(outcomes, eval_data, plan.measure), eval_data)
     comparison(ranking)
     _write(plan.dir / "sweep.json", json.dumps(record(ranking), indent=2))
     if track.backend:
@@ -87,7 +88,6 @@ def record(ranking: Ranking) -> dict[str, Any]:
 
 
 _COLUMNS = [("tuned eval loss", "tuned_eval_loss"), ("base eval loss", "base_eval_loss"),
-            ("tuned reward accuracy", "tuned_reward_accuracy"), ("tuned mean reward", "tuned_mean_reward"),
             ("tuned ROUGE-L", "tuned_rouge_l")]
 
 
@@ -95,7 +95,9 @@ def comparison(ranking: Ranking) -> str:
     """The comparison as markdown (one table row per candidate, best first, and the plot inline); also an
     artifact `sweep-comparison` in a flow run, and comparison.png in the sweep folder."""
     keys = list(dict.fromkeys(k for c in ranking.plan.candidates for k in c.overrides))
-    columns = [(label, name) for label, name in _COLUMNS
+    measure = ranking.plan.measure
+    ranked_on = [] if measure == methods.LOSS else [(f"tuned {measure.label}", f"tuned_{measure.key}")]
+    columns = [(label, name) for label, name in [*_COLUMNS[:2], *ranked_on, *_COLUMNS[2:]]
                if any(o.metrics.get(name) is not None for o in ranking.outcomes)]
     head = ["rank", "candidate", *keys, "status", *(label for label, _ in columns)]
     rows = [[str(o.rank or "-"), o.candidate.name, *(_cell(show(o.candidate.overrides.get(k, "(base)")))
@@ -108,9 +110,8 @@ def comparison(ranking: Ranking) -> str:
     winner = ranking.winner
     markdown = (f"## Sweep `{ranking.plan.key}`: {len(ranking.outcomes)} candidates, winner "
                 f"{winner.candidate.name if winner else 'none'}\n\nRanked by the promotion gate's rule (margin 0) on "
-                f"the same eval data (prepare_data `{ranking.eval_data[:12]}`): the lowest tuned eval loss wins; for "
-                f"preference runs the highest tuned reward accuracy; for grpo runs the highest tuned mean "
-                f"reward.\n\n{table}\n\n"
+                f"the same eval data (prepare_data `{ranking.eval_data[:12]}`): the "
+                f"{'highest' if measure.higher_wins else 'lowest'} tuned {measure.label} wins.\n\n{table}\n\n"
                 f"{inline_png(image, 'eval loss per candidate')}\n\n"
                 f"Sweep folder on the worker: `{ranking.plan.dir}`\n")
     _markdown("sweep-comparison", markdown, f"sweep {ranking.plan.key}: {len(ranking.outcomes)} candidates ranked")

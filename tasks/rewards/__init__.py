@@ -1,4 +1,5 @@
-"""GRPO's reward functions (train.method grpo): the built-ins in REWARDS, the user's own from allowed modules.
+"""The reward functions of the methods that learn from rewards (tasks/methods.py): the built-ins in REWARDS, reward
+models of the exports registry (reward_model.py: registry:NAME), and the user's own from allowed modules.
 
 A reward function takes TRL's keywords, prompts, completions (texts), completion_ids, and the prompt rows' other
 columns (`answer`, ...) as lists, and returns one float per completion (None: no opinion, NaN to TRL). The same
@@ -9,7 +10,8 @@ A built-in is one function in builtin.py and one entry in REWARDS. A user's func
 loads only from a module the deployment's operator allows in the environment variable QLORA_REWARD_MODULES of the
 process that runs the flow (comma-separated module names; `pkg` allows pkg and its submodules): a run form cannot set
 it, so a UI user cannot make the worker run code by typing a module path. `check` refuses anything else before any
-stage runs. The functions' source is part of train_adapter's cache key (`fingerprint`), so editing one retrains.
+stage runs. The functions' source is part of train_adapter's cache key (`fingerprint`), so editing one retrains; a
+reward model's adapter files are, likewise.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pathlib import Path
+
+from tasks import methods
 from tasks.config import TrainArgs
 from tasks.errors import UserError
-from tasks.rewards import builtin
+from tasks.rewards import builtin, reward_model
 
 ALLOW_VARIABLE = "QLORA_REWARD_MODULES"
 
@@ -55,30 +60,41 @@ def allowed_modules() -> list[str]:
     return [m.strip() for m in os.environ.get(ALLOW_VARIABLE, "").split(",") if m.strip()]
 
 
-def check(train: TrainArgs) -> None:
-    """Before any stage: every name in train.rewards is a built-in or an allowed module's function that loads;
-    one UserError listing every problem."""
-    if train.method != "grpo":
+def check(train: TrainArgs, runs_dir: Path) -> None:
+    """Before any stage: every name in train.rewards is a built-in, a reward model of runs_dir's registry or an
+    allowed module's function that loads; one UserError listing every problem."""
+    if not methods.method(train.method).rewards:
         return
     problems = []
     for name in train.rewards:
         try:
-            _function(name, train)
+            reward_model.check(name, runs_dir) if reward_model.is_reward_model(name) else _function(name, train)
         except UserError as exc:
             problems.append(str(exc))
     if problems:
         raise UserError("train.rewards cannot be used: " + " ".join(problems))
 
 
-def load(train: TrainArgs) -> list[Callable[..., list[float | None]]]:
-    """train.rewards as callables, each named for its entry (TRL logs rewards/<name>/mean)."""
-    return [_named(_function(name, train), name) for name in train.rewards]
+def pinned(train: TrainArgs, runs_dir: Path) -> TrainArgs:
+    """train with each reward model pinned to its version (registry:NAME -> registry:NAME/vNNNN, the champion's
+    now), so the training and the evaluation of a run score with the same one."""
+    return train.model_copy(update={"rewards": [reward_model.pin(n, runs_dir) if reward_model.is_reward_model(n)
+                                                else n for n in train.rewards]})
 
 
-def fingerprint(train: TrainArgs) -> dict[str, str]:
-    """{reward name: sha256 of its function's source} for the functions outside this package (the built-ins are
-    the pipeline's code, versioned with it); editing one changes train_adapter's key."""
-    return {name: hashlib.sha256(_source(_function(name, train)).encode()).hexdigest()
+def load(train: TrainArgs, runs_dir: Path, model_dir: Path) -> list[Callable[..., list[float | None]]]:
+    """train.rewards as callables, each named for its entry (TRL logs rewards/<name>/mean); reward models score
+    with prepare_model folder `model_dir`'s base."""
+    return [_named(reward_model.make(name, runs_dir, model_dir) if reward_model.is_reward_model(name)
+                   else _function(name, train), name) for name in train.rewards]
+
+
+def fingerprint(train: TrainArgs, runs_dir: Path) -> dict[str, str]:
+    """{reward name: sha256 of its function's source, or of a reward model's version and files} for the functions
+    outside this package (the built-ins are the pipeline's code, versioned with it); editing one changes
+    train_adapter's key."""
+    return {name: reward_model.fingerprint(name, runs_dir) if reward_model.is_reward_model(name)
+            else hashlib.sha256(_source(_function(name, train)).encode()).hexdigest()
             for name in train.rewards if name not in BUILT_IN}
 
 
@@ -92,7 +108,8 @@ def _function(name: str, train: TrainArgs) -> Callable[..., list[float | None]]:
         return BUILT_IN[name].make(train)
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
-        raise UserError(f"{name!r} is neither a built-in reward ({', '.join(BUILT_IN)}) nor module:function.")
+        raise UserError(f"{name!r} is neither a built-in reward ({', '.join(BUILT_IN)}), a reward model "
+                        f"({reward_model.PREFIX}NAME) nor module:function.")
     allowed = allowed_modules()
     if not any(module == a or module.startswith(a + ".") for a in allowed):
         raise UserError(
@@ -137,7 +154,7 @@ def _named(func: Callable[..., list[float | None]], name: str) -> Callable[..., 
                             "return one number (or None) per answer, in order. Fix it and run again.")
         return [None if r is None or (isinstance(r, float) and math.isnan(r)) else float(r) for r in out]
 
-    call.__name__ = name.replace(":", ".")
+    call.__name__ = name.replace(":", ".").replace("/", ".")
     return call
 
 

@@ -11,7 +11,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def answer_match(prompts: list[Any], completions: list[Any], answer: list[Any], **_: Any) -> list[float | None]:
     """1 where the completion, stripped, equals the answer column (case-insensitive), else 0; None without one."""
-    return [None if a is None else float(_text(c).strip().lower() == str(a).strip().lower())
+    return [None if a is None else float(text_of(c).strip().lower() == str(a).strip().lower())
             for c, a in zip(completions, answer, strict=True)]
 
 
@@ -20,7 +20,7 @@ def numeric_match(prompts: list[Any], completions: list[Any], answer: list[Any],
     out: list[float | None] = []
     for completion, expected in zip(completions, answer, strict=True):
         wanted = _NUMBER.findall(str(expected)) if expected is not None else []
-        got = _NUMBER.findall(_text(completion))
+        got = _NUMBER.findall(text_of(completion))
         out.append(None if not wanted else float(bool(got) and float(got[-1]) == float(wanted[-1])))
     return out
 
@@ -28,7 +28,7 @@ def numeric_match(prompts: list[Any], completions: list[Any], answer: list[Any],
 def format_match(prompts: list[Any], completions: list[Any], pattern: str, **_: Any) -> list[float | None]:
     """1 where train.reward_pattern occurs in the completion (re.search), else 0."""
     compiled = re.compile(pattern)
-    return [float(compiled.search(_text(c)) is not None) for c in completions]
+    return [float(compiled.search(text_of(c)) is not None) for c in completions]
 
 
 def length_penalty(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], most: int,
@@ -37,7 +37,8 @@ def length_penalty(prompts: list[Any], completions: list[Any], completion_ids: l
     return [-min(len(ids), most) / most for ids in completion_ids]
 
 
-def _text(completion: Any) -> str:
+def text_of(completion: Any) -> str:
+    """A completion (or prompt) as text: TRL's conversational form is read as its last message."""
     if isinstance(completion, list):  # TRL's conversational form: the assistant's messages
         return str(completion[-1].get("content", "")) if completion else ""
     return str(completion)

@@ -21,9 +21,11 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ValidationError, WithJsonSchema
 
+from tasks import methods
 from tasks.config import MAX_CONFIG_BYTES, RunConfig
 from tasks.errors import UserError
 from tasks.hashing.keys import cache_key, hash_json
+from tasks.methods import Measure
 
 SWEPT_SECTIONS = ("lora", "train", "speed")  # train_adapter's inputs; the other sections are shared
 # The qlora-sweep flow's `candidates`: in the run form a list of mappings, empty by default (no candidates, as None
@@ -57,6 +59,11 @@ class Plan:
     base: RunConfig
     candidates: list[Candidate]
     key: str
+
+    @property
+    def measure(self) -> Measure:
+        """What ranks the candidates: their methods' one measure (expand checks there is one)."""
+        return methods.method(self.candidates[0].config.train.method).measure
 
     @property
     def dir(self) -> Path:
@@ -133,10 +140,23 @@ def expand(base: RunConfig, grid: dict[str, Any] | None = None, candidates: list
         made.append(Candidate(name, override, config))
     problems += [f"{message} (candidate{'s' if len(names) > 1 else ''} {', '.join(names)})"
                  for message, names in bad_values.items()]
+    problems += _measures_problem(made)
     if problems:
         raise _bad_grid(problems)
     key = cache_key({"base": base_raw, "candidates": overrides})
     return Plan(base=base, candidates=made, key=key)
+
+
+def _measures_problem(made: list[Candidate]) -> list[str]:
+    """A sweep ranks its candidates on one measure: their methods (tasks/methods.py) must be judged alike."""
+    by_measure: dict[Measure, list[str]] = {}
+    for candidate in made:
+        by_measure.setdefault(methods.method(candidate.config.train.method).measure, []).append(candidate.name)
+    if len(by_measure) < 2:
+        return []
+    return ["the candidates are judged on different measures (" + "; ".join(
+        f"{measure.label}: {', '.join(names)}" for measure, names in by_measure.items()) + "), and a sweep ranks on "
+        "one: sweep train.method only over methods judged alike"]
 
 
 def _overrides(grid: Any, candidates: Any, problems: list[str]) -> list[dict[str, Any]]:

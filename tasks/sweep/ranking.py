@@ -6,15 +6,12 @@ failed ones. Pure functions over the candidates' outcomes.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tasks.methods import Measure
 from tasks.registry.gate import gate
 from tasks.sweep.grid import Candidate, Plan
-
-# no candidate can lose to this: a candidate that does not beat it has no usable metric (a NaN loss)
-_WORST = {"tuned_eval_loss": math.inf, "tuned_reward_accuracy": -math.inf, "tuned_mean_reward": -math.inf}
 
 
 @dataclass
@@ -48,31 +45,33 @@ class Ranking:
         return [o for o in self.outcomes if o.status == "failed"]
 
 
-def order(outcomes: list[Outcome], eval_data: str) -> list[Outcome]:
-    """Best first by the gate's rule (ties keep candidate order), numbered; then the unranked, then the failed.
+def order(outcomes: list[Outcome], eval_data: str, measure: Measure) -> list[Outcome]:
+    """Best first by the gate's rule on `measure` (the candidates' method's; ties keep candidate order), numbered;
+    then the unranked, then the failed.
 
     A finished candidate that does not beat even the worst possible one (a NaN loss) becomes unranked.
     """
+    worst = {f"tuned_{measure.key}": measure.worst}  # no candidate can lose to this but one without a number
     for outcome in outcomes:
-        if outcome.status == "finished" and not _beats(outcome.metrics, _WORST, eval_data):
+        if outcome.status == "finished" and not _beats(outcome.metrics, worst, eval_data, measure):
             outcome.status, outcome.error = "unranked", "its eval metric is not a number (training diverged?)"
     done = sorted((o for o in outcomes if o.status == "finished"),
-                  key=functools.cmp_to_key(lambda a, b: _compare(a.metrics, b.metrics, eval_data)))
+                  key=functools.cmp_to_key(lambda a, b: _compare(a.metrics, b.metrics, eval_data, measure)))
     for number, outcome in enumerate(done, start=1):
         outcome.rank = number
     rest = {"unranked": 1, "failed": 2}
     return done + sorted((o for o in outcomes if o.status != "finished"), key=lambda o: rest[o.status])
 
 
-def _compare(a: dict[str, Any], b: dict[str, Any], eval_data: str) -> int:
+def _compare(a: dict[str, Any], b: dict[str, Any], eval_data: str, measure: Measure) -> int:
     """-1 when the gate prefers a to b, 1 the other way round, 0 for a tie (the earlier candidate stays first)."""
-    return -1 if _beats(a, b, eval_data) else 1 if _beats(b, a, eval_data) else 0
+    return -1 if _beats(a, b, eval_data, measure) else 1 if _beats(b, a, eval_data, measure) else 0
 
 
-def _beats(challenger: dict[str, Any], incumbent: dict[str, Any], eval_data: str) -> bool:
+def _beats(challenger: dict[str, Any], incumbent: dict[str, Any], eval_data: str, measure: Measure) -> bool:
     """The promotion gate's verdict, margin 0, with `incumbent` in the champion's place."""
     record = {"version": "the other candidate", "metrics": _own(incumbent), "eval_data": eval_data}
-    return gate(_own(challenger), record, 0.0, eval_data)[0] == "promoted"
+    return gate(_own(challenger), record, 0.0, eval_data, measure)[0] == "promoted"
 
 
 def _own(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -145,8 +145,8 @@ def _rank_main(args_file: Path) -> None:
     """One rank: train (the Trainer sees torchrun's environment and uses DDP); rank 0 saves and reports."""
     import logging
 
-    from tasks.train_adapter import grpo, preference
-    from tasks.train_adapter.fit import fit_and_save
+    from tasks.train_adapter.builder import fit_and_save
+    from tasks.train_adapter.methods import unit
 
     exit_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())))
     if threads := os.environ.get(THREADS_VARIABLE):  # the parent's share of the host for each rank
@@ -164,9 +164,8 @@ def _rank_main(args_file: Path) -> None:
     out = Path(spec["out"])
     try:
         train = TrainArgs(**spec["train"])
-        fit = {"sft": fit_and_save, "grpo": grpo.fit_and_save}.get(train.method, preference.fit_and_save)
-        metrics = fit(LoraArgs(**spec["lora"]), train, SpeedArgs(**spec["speed"]),
-                                             spec["data_dir"], spec["model_dir"], out)
+        metrics = fit_and_save(unit(train.method), LoraArgs(**spec["lora"]), train, SpeedArgs(**spec["speed"]),
+                               spec["data_dir"], spec["model_dir"], out)
     except UserError as exc:
         print(USER_ERROR_PREFIX + str(exc).replace("\n", " "), flush=True)
         raise SystemExit(2) from exc

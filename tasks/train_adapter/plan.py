@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.config import GRPO_TRAIN_FIELDS, PIPELINE_TRAIN_FIELDS, PREFERENCE_TRAIN_FIELDS, SpeedArgs, TrainArgs
+from tasks import methods
+from tasks.config import PIPELINE_TRAIN_FIELDS, SpeedArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.log import logger
 from tasks.models.dims import model_dims
@@ -55,8 +56,9 @@ def gpu_budget_gb(speed: SpeedArgs) -> float:
 
 
 def trainer_settings(train: TrainArgs, speed: SpeedArgs) -> dict[str, Any]:
-    """TrainArgs as TrainingArguments keywords, checkpointing left to enable_checkpointing."""
-    settings = train.model_dump(exclude={*PIPELINE_TRAIN_FIELDS, *PREFERENCE_TRAIN_FIELDS, *GRPO_TRAIN_FIELDS})
+    """TrainArgs as TrainingArguments keywords (not the pipeline's fields, nor the methods' own: each method's module
+    hands those to its TRL config), checkpointing left to enable_checkpointing."""
+    settings = train.model_dump(exclude={*PIPELINE_TRAIN_FIELDS, *methods.method_fields()})
     settings["optim"] = optimizer(train, speed)
     # the Trainer would replace our checkpoint function with its own; transformers 5 names it activation_checkpointing
     del settings["gradient_checkpointing"]

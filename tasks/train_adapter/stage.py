@@ -21,23 +21,23 @@ from typing import Any
 
 from prefect import task
 
-from tasks import rewards
-from tasks.config import GRPO_ONLY_FIELDS, LoraArgs, SpeedArgs, TrackArgs, TrainArgs
+from tasks import methods, rewards
+from tasks.config import LoraArgs, SpeedArgs, TrackArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.hashing.files import files_fingerprint
 from tasks.models.memory import allocator_restored
 from tasks.on_disk.caching import stage_task_options
 from tasks.on_disk.folders import StageSpec, open_stage
-from tasks.on_disk.manifest import PREFERENCE_FORMATS, PROMPT_FORMATS, DataMetrics, read_manifest
+from tasks.on_disk.manifest import DataMetrics, read_manifest
 from tasks.pool.cpus import cpu_share
 from tasks.pool.gpus import gpu_slot, held_devices
 from tasks.pool.hosts import this_host
 from tasks.registry.init_adapter import ADAPTER_FILES as INIT_ADAPTER_FILES
 from tasks.registry.init_adapter import resolve_adapter
 from tasks.reporting import tracking
-from tasks.train_adapter import grpo, launch, nodes, preference
-from tasks.train_adapter.fit import fit_and_save
+from tasks.train_adapter import builder, launch, nodes
 from tasks.train_adapter.levers import liger, parallel
+from tasks.train_adapter.methods import unit
 from tasks.train_adapter.resume import latest_checkpoint
 
 VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapters trained before were off)
@@ -54,8 +54,8 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
     if data is None:
         raise RuntimeError(f"{data_dir} has no valid manifest.json: its stage did not finish")
     keyed = {"train_data": data.hashes["train.parquet"]}
-    if train.method == "grpo":  # the user's reward functions' code: editing one retrains
-        keyed.update({f"reward:{name}": digest for name, digest in rewards.fingerprint(train).items()})
+    if methods.method(train.method).rewards:  # the reward functions' code (a reward model's files): editing retrains
+        keyed.update({f"reward:{name}": digest for name, digest in rewards.fingerprint(train, runs_dir).items()})
     if train.init_adapter:  # its content, not its name: a new champion is a new starting point
         folder = resolve_adapter(train.init_adapter, runs_dir)
         keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
@@ -71,8 +71,9 @@ def _speed_params(speed: SpeedArgs) -> dict[str, Any]:
 
 
 def _train_params(train: TrainArgs) -> dict[str, Any]:
-    """train as keyed: grpo's own fields only for grpo, so that adding them left the other methods' keys unchanged."""
-    return train.model_dump(exclude=set(GRPO_ONLY_FIELDS) if train.method != "grpo" else None)
+    """train as keyed: a method's own fields only for the methods that read them (tasks/methods.py keyed_fields), so
+    that adding a method's fields left the other methods' keys unchanged."""
+    return train.model_dump(exclude=methods.keyed_fields(methods.method(train.method)) or None)
 
 
 @task(name="train_adapter", **stage_task_options(spec))
@@ -89,6 +90,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         resume = latest_checkpoint(stage.dir / "checkpoints")
         if train.init_adapter:  # the ranks get the folder itself
             train = train.model_copy(update={"init_adapter": str(resolve_adapter(train.init_adapter, runs_dir))})
+        if methods.method(train.method).rewards:  # a reward model: the version of now, also for the evaluation
+            train = rewards.pinned(train, runs_dir)
         processes = parallel.world_size(speed)
         asked = time.monotonic()
         with _resources(speed, processes) as (hosts, devices, threads):
@@ -100,10 +103,10 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
                 metrics = launch.launch(lora, train, speed, data_dir, model_dir, stage.dir, processes, devices,
                                         threads)
             else:
-                fit = {"sft": fit_and_save, "grpo": grpo.fit_and_save}.get(train.method, preference.fit_and_save)
                 # evaluate_adapter and export_adapter may run next in this process: put its state back
                 with allocator_restored(), liger.patches_undone():
-                    metrics = fit(lora, train, speed, data_dir, model_dir, stage.dir)
+                    metrics = builder.fit_and_save(unit(train.method), lora, train, speed, data_dir, model_dir,
+                                                   stage.dir)
         resumed = int(resume.name.split("-")[-1]) if resume else None
         stage.finish([*ADAPTER_FILES, "loss.jsonl"], {**metrics, "gpu_wait_seconds": waited, "devices": devices,
                                                       "host": this_host() if devices else None,
@@ -141,29 +144,18 @@ def check_target_modules(target_modules: list[str] | str, model_dir: Path) -> No
 
 
 def check_method(train: TrainArgs, data_dir: Path) -> None:
-    """Fail before training when the data's format does not fit train.method (pairs for sft, text for dpo, prompts
-    for grpo), or grpo's built-in rewards read a column the prompts lack."""
+    """Fail before training when the data's format is not one train.method trains on (tasks/methods.py), or the
+    method's own check of the data fails (the columns GRPO's built-in rewards read)."""
     made = read_manifest(data_dir)
     metrics = made.metrics if made is not None and isinstance(made.metrics, DataMetrics) else None
-    fmt, method = metrics.format if metrics else None, train.method
-    if fmt is None:
+    if metrics is None:
         return
-    wanted = "prompts" if method == "grpo" else "preference" if method in ("dpo", "kto") else "sequences"
-    found = "prompts" if fmt in PROMPT_FORMATS else "preference" if fmt in PREFERENCE_FORMATS else "sequences"
-    if wanted == found:
-        if method == "grpo" and (missing := sorted(rewards.needs(train) - set(metrics.prompt_columns or ()))):
-            raise UserError(f"train.rewards {', '.join(train.rewards)} read the column(s) {', '.join(missing)}, "
-                            f"which the prompts lack (they have: {', '.join(metrics.prompt_columns or ()) or 'none'})."
-                            " Add the column, map one onto it with data.column_mapping, or choose other rewards.")
-        return
-    if method == "sft":
-        raise UserError(f"The data is in the {fmt} format ({found} data), but train.method is sft. Set "
-                        "train.method to dpo (pairs), kto (pairs or rated answers) or grpo (prompts), or point "
-                        "data.source at instruction, chat or text data.")
-    if method == "grpo":
-        raise UserError(f"train.method=grpo samples answers to prompts, but the data is in the {fmt} format. Give "
-                        "rows with a prompt column (and the columns your rewards read, e.g. answer; "
-                        "docs/preference.md), or set train.method to one that trains on this data.")
-    raise UserError(f"train.method={method} trains on preference data, but the data is in the {fmt} format. Give "
-                    "prompt/chosen/rejected pairs or prompt/completion/label rows (docs/preference.md), or "
-                    "set train.method=sft.")
+    row, fmt = methods.method(train.method), metrics.format
+    if fmt not in row.formats:
+        takes = [m.name for m in methods.METHODS if fmt in m.formats]
+        raise UserError(f"train.method={row.name} trains on {row.data_kind} data (format {', '.join(row.formats)}), "
+                        f"but the data is in the {fmt} format ({methods.data_kind(fmt)} data). Set train.method to "
+                        f"one that trains on it ({', '.join(takes)}), or point data.source at {row.data_kind} data "
+                        "(docs/data.md, docs/preference.md).")
+    if problem := unit(train.method).check_data(train, metrics):
+        raise UserError(problem)

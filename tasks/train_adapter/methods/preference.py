@@ -30,51 +30,66 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
-import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks.config import LoraArgs, SpeedArgs, TrainArgs
-from tasks.errors import UserError
+from tasks.config import SpeedArgs, TrainArgs
 from tasks.log import logger
-from tasks.models.loading import device, load_quantized, read_model_metrics
-from tasks.reporting import tracking
 from tasks.train_adapter import plan
-from tasks.train_adapter.resume import latest_checkpoint
+from tasks.train_adapter.builder import CountingCollator, Recipe, Unit
 
 
-def fit_and_save(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str, out: Path
-                 ) -> dict[str, Any]:
-    """Train with DPO or KTO here (alone, or as one rank of a data-parallel group); the main process saves."""
-    import torch
+class _Preference(Unit):
+    """DPO's and KTO's part: TRL's trainer on prepare_data's token ids, padding-free, through the memory plan."""
 
-    from tasks.train_adapter.fit import outcome, progress, smaller_micro_batch
+    def dataset(self, data_dir: Path, train: TrainArgs) -> Any:
+        return _dataset(data_dir / "train.parquet", train)
 
-    dataset = _dataset(Path(data_dir) / "train.parquet", train)
-    while True:
-        trainer, batches = _trainer(lora, train, speed, dataset, out, Path(model_dir))
-        resume = latest_checkpoint(out / "checkpoints")
-        if resume is not None:
-            logger().info("train_adapter: resuming from %s", resume.name)
-        try:
-            result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-            break
-        except torch.OutOfMemoryError as exc:
-            train, speed = smaller_micro_batch(train, speed, batches, exc)
-            if train.method == "kto" and train.per_device_train_batch_size < 2:
-                raise UserError("train_adapter (kto) ran out of GPU memory at micro-batch 2, the least KTO can "
-                                "estimate its KL term from. Lower data.max_seq_length or lora.r, or use a GPU "
-                                f"with more memory. ({exc})") from exc
-            del trainer
-            gc.collect()
-            torch.cuda.empty_cache()
-    model = trainer.model
-    throughput = progress(trainer).summary()
-    save_adapter(trainer, out)
-    return {**throughput, **outcome(trainer, model, result, len(dataset), train), "method": train.method,
-            "padding_free": batches.padding_free, "micro_batches_per_epoch": batches.packs,
-            "memory_plan": batches.memory_plan}
+    def check_rows(self, data_dir: Path, data: Any) -> list[tuple[list[int], list[int]]]:
+        return _answer_rows(data)
+
+    def base_speed(self, speed: SpeedArgs) -> SpeedArgs:
+        logger().info("train_adapter (%s): the fused cross-entropy steps aside: TRL computes the log-probabilities "
+                      "with its own fused LM head (a tile of the vocabulary at a time, the answers' tokens only)",
+                      self.name)
+        return speed.model_copy(update={"fused_cross_entropy": False})
+
+    def recipe(self, model: Any, train: TrainArgs, speed: SpeedArgs, data: Any, model_dir: Path) -> Recipe:
+        from tasks.models.loading import load_tokenizer
+
+        grouped = _grouped(train, speed)
+        collator = _CountingCollator(_collator(train, model.config.pad_token_id or 0))
+        trainer_type, config_type = _trl(train.method)
+        config = {"beta": train.beta, **({"loss_type": train.loss_type} if train.loss_type else {}),
+                  "max_length": None,  # data.max_seq_length cut already
+                  "remove_unused_columns": not grouped}
+        return Recipe(trainer_type, config_type, config, data, collator,
+                      {"data_collator": collator, "processing_class": load_tokenizer(model_dir)},
+                      settings_speed=speed.model_copy(update={"packing": grouped}))
+
+    def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> plan.MicroBatches:
+        from tasks.train_adapter.levers.padding_free import unpad_forward
+
+        batches = _micro_batches(trainer, train, speed, recipe.dataset)
+        # after TRL added its fused LM head, which this wraps
+        unpadded = speed.packing and unpad_forward(trainer.model.get_base_model())
+        logger().info("train_adapter (%s): micro-batches %s%s", train.method, batches,
+                      ", padding-free" if unpadded else ", padded by TRL")
+        return dataclasses.replace(batches, padding_free=unpadded)
+
+    def metrics(self, trainer: Any, train: TrainArgs, batches: plan.MicroBatches | None) -> dict[str, Any]:
+        return {"padding_free": batches.padding_free, "micro_batches_per_epoch": batches.packs}
+
+
+class Dpo(_Preference):
+    name = "dpo"
+
+
+class Kto(_Preference):
+    name = "kto"
+
+
+DPO, KTO = Dpo(), Kto()
 
 
 def _dataset(path: Path, train: TrainArgs) -> Any:
@@ -83,11 +98,7 @@ def _dataset(path: Path, train: TrainArgs) -> Any:
     from datasets import Dataset
 
     table = pq.read_table(path)
-    paired = "chosen_ids" in table.column_names
-    if train.method == "dpo" and not paired:
-        raise UserError("train.method=dpo needs preference pairs (prompt, chosen, rejected), but the data is "
-                        "unpaired_preference (prompt, completion, label). Use train.method=kto for rated answers.")
-    if train.method == "kto" and paired:  # TRL's unpair_preference_dataset, on token ids
+    if train.method == KTO.name and "chosen_ids" in table.column_names:  # TRL's unpair_preference_dataset, on token ids
         import random
 
         rows = table.to_pylist()
@@ -97,69 +108,6 @@ def _dataset(path: Path, train: TrainArgs) -> Any:
         random.Random(train.seed).shuffle(unpaired)
         return Dataset.from_list(unpaired)
     return Dataset(table)
-
-
-def save_adapter(trainer: Any, out: Path) -> None:
-    """A TRL trainer's adapter into out/adapter, from the main process only, and its checkpoints removed."""
-    if trainer.is_world_process_zero():
-        trainer.model.save_pretrained(out / "adapter", selected_adapters=["default"])  # not TRL's frozen "ref" copy
-        (out / "adapter" / "README.md").unlink(missing_ok=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-
-
-def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, out: Path, model_dir: Path
-             ) -> tuple[Any, plan.MicroBatches]:
-    from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
-    from transformers import PrinterCallback
-
-    from tasks.train_adapter.callbacks import LossLog, Progress, mark_complete
-    from tasks.train_adapter.divergence import FiniteLoss, check_init_adapter, guarded
-    from tasks.train_adapter.fit import host_sync_free
-    from tasks.train_adapter.levers.padding_free import unpad_forward
-
-    model = load_quantized(model_dir)
-    if speed.upcast_frozen_to_fp32:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    applied = plan.prepare_base(model, speed.model_copy(update={"fused_cross_entropy": False}))
-    logger().info("train_adapter (%s): %s; the fused cross-entropy steps aside: TRL computes the log-probabilities "
-                  "with its own fused LM head (a tile of the vocabulary at a time, the answers' tokens only)",
-                  train.method, ", ".join(applied) or "no speed levers apply on this device")
-    peft_config = None
-    if train.init_adapter:
-        logger().info("train_adapter: starting from %s (its own LoRA settings; also the reference model)",
-                      train.init_adapter)
-        model = PeftModel.from_pretrained(model, train.init_adapter, is_trainable=True)
-        check_init_adapter(model, _answer_rows(dataset), train.init_adapter)  # before the first optimizer step
-    else:
-        peft_config = LoraConfig(task_type="CAUSAL_LM", **lora.model_dump())
-    grouped = _grouped(train, speed)
-    collator = _CountingCollator(_collator(train, model.config.pad_token_id or 0))
-    trainer_type, config_type = _trl(train.method)
-    compute = read_model_metrics(model_dir).compute_dtype
-    settings = plan.trainer_settings(train, speed.model_copy(update={"packing": grouped}))
-    settings.update(beta=train.beta, **({"loss_type": train.loss_type} if train.loss_type else {}))
-    if settings["bf16"] is None:
-        settings["bf16"] = compute == "bfloat16"
-    args = config_type(output_dir=str(out / "checkpoints"), save_strategy="steps", save_total_limit=2,
-                       fp16=compute == "float16", use_cpu=device() == "cpu", report_to=[], disable_tqdm=True,
-                       dataloader_num_workers=0, max_length=None,  # data.max_seq_length cut already
-                       remove_unused_columns=not grouped, **host_sync_free(), **settings)
-    trainer = guarded(trainer_type)(
-        model=model, args=args, train_dataset=dataset, data_collator=collator, processing_class=_tokenizer(model_dir),
-        peft_config=peft_config, callbacks=[FiniteLoss(train, compute), LossLog(out / "loss.jsonl"), Progress(collator),
-                                            mark_complete(), *tracking.trainer_callbacks(out)])
-    trainer.remove_callback(PrinterCallback)
-    if compute == "float32":  # TRL casts the LoRA weights to bf16 (the QLoRA paper's choice for GPUs); on a CPU
-        for param in trainer.model.parameters():  # computing in float32, bf16 LoRA matmuls are the slow part
-            if param.requires_grad:
-                param.data = param.data.float()
-    plan.prepare_peft(trainer.model, speed)
-    batches = _micro_batches(trainer, train, speed, dataset)
-    # after TRL added its fused LM head, which this wraps
-    unpadded = speed.packing and unpad_forward(trainer.model.get_base_model())
-    logger().info("train_adapter (%s): micro-batches %s%s", train.method, batches,
-                  ", padding-free" if unpadded else ", padded by TRL")
-    return trainer, dataclasses.replace(batches, padding_free=unpadded)
 
 
 def _answer_rows(dataset: Any) -> list[tuple[list[int], list[int]]]:
@@ -373,22 +321,11 @@ def _collator(train: TrainArgs, pad_id: int) -> Any:
     return DataCollatorForUnpairedPreference(pad_token_id=pad_id)
 
 
-def _tokenizer(model_dir: Path) -> Any:
-    from tasks.models.loading import load_tokenizer
-
-    return load_tokenizer(model_dir)
-
-
-class _CountingCollator:
+class _CountingCollator(CountingCollator):
     """TRL's collator, counting the real (non-padding) tokens it hands out, for Progress: chosen + rejected (DPO),
-    the answers (KTO; its KL pass is not counted)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.real_tokens = inner, 0
+    the answers (KTO; its KL pass is not counted); a _PairGroups micro-batch is its pairs."""
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         if examples and "pairs" in examples[0]:  # _PairGroups: one group of pairs per micro-batch
             examples = [pair for group in examples for pair in group["pairs"]]
-        batch = self.inner(examples)
-        self.real_tokens += int(batch["attention_mask"].sum())
-        return batch
+        return super().__call__(examples)

@@ -1,4 +1,4 @@
-"""evaluate_adapter for prompts (prepare_data format prompts, train.method grpo).
+"""evaluate_adapter for prompts (the data kind of the methods that learn from rewards; tasks/methods.py).
 
 On the held-out prompts (at most eval.max_samples), the base model and base + adapter (this run's, or the registry's
 champion scored by score_champion) answer each prompt greedily, up to train.max_completion_length new tokens (what
@@ -22,19 +22,57 @@ from tasks import rewards
 from tasks.config import EvalArgs, TrainArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter.generation import greedy_generate, score
-from tasks.evaluate_adapter.preference import answer_logps
+from tasks.evaluate_adapter.outputs import samples, without_cudnn_attention, write
+from tasks.evaluate_adapter.preference import answer_logps, as_champion
+from tasks.log import logger
 from tasks.on_disk.manifest import read_manifest
+from tasks.reporting import artifacts
+
+
+def stage(args: EvalArgs, runs_dir: Path, out: Path, data_dir: Path, model_dir: Path, adapter_dir: Path
+          ) -> tuple[list[str], dict[str, Any]]:
+    """The run's reward functions on base's and tuned's greedy answers to the held-out prompts, written into `out`;
+    the files written and the metrics."""
+    from tasks.models.loading import load_tokenizer
+
+    train = train_args(adapter_dir)
+    with without_cudnn_attention():
+        metrics, refs, prompts, results = evaluate(args, train, runs_dir, data_dir, model_dir,
+                                                   adapter_dir / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    count = min(args.generation_samples, len(prompts))
+    texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts[:count]]
+    shown = samples(texts, (refs or [""] * len(prompts))[:count], results)
+    for i, row in enumerate(shown):  # each answer's rewards, beside its text
+        row.update({f"{who}_rewards": {f: xs[i] for f, xs in r["rewards"].items()} for who, r in results.items()})
+    outputs = write(out, metrics, shown, results, False)
+    logger().info("evaluate_adapter: mean reward on %d held-out prompts: base %.4f -> tuned %.4f (%s)",
+                  metrics["eval_prompts"], metrics["base_mean_reward"], metrics["tuned_mean_reward"],
+                  ", ".join(f"{f} {metrics['base_rewards'][f]} -> {metrics['tuned_rewards'][f]}"
+                            for f in metrics["tuned_rewards"]))
+    artifacts.eval_samples(shown, f"{len(shown)} held-out prompts answered greedily by the base model and by "
+                           f"base + adapter, with their rewards ({', '.join(train.rewards)})")
+    return outputs, metrics
+
+
+def champion(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, adapter_dir: Path, eval_dir: Path,
+             folder: Path, identity: str | None) -> dict[str, Any]:
+    """This run's reward functions on the champion's greedy answers to this run's held-out prompts: its
+    champion_* metrics."""
+    return as_champion(evaluate(args, train_args(adapter_dir), runs_dir, data_dir, model_dir, folder)[0])
 
 
 def train_args(adapter_dir: Path) -> TrainArgs:
-    """The train section that trained the adapter in train_adapter folder `adapter_dir` (its rewards)."""
+    """The train section that trained the adapter in train_adapter folder `adapter_dir`, with the rewards it trained
+    on (its metrics hold them with each reward model pinned to its version)."""
     made = read_manifest(adapter_dir)
     if made is None:
         raise RuntimeError(f"{adapter_dir} has no valid manifest.json: its stage did not finish")
-    return TrainArgs.model_validate(made.params["train"])
+    train = TrainArgs.model_validate(made.params["train"])
+    return train.model_copy(update={"rewards": made.metrics.rewards}) if made.metrics.rewards else train
 
 
-def evaluate(args: EvalArgs, train: TrainArgs, data_dir: Path, model_dir: Path, adapter: Path
+def evaluate(args: EvalArgs, train: TrainArgs, runs_dir: Path, data_dir: Path, model_dir: Path, adapter: Path
              ) -> tuple[dict[str, Any], list[str], list[list[int]], dict[str, dict[str, Any]]]:
     """(metrics, reference answers, prompts, results by model) on the held-out prompts: base and tuned (the adapter
     in folder `adapter`)."""
@@ -46,7 +84,7 @@ def evaluate(args: EvalArgs, train: TrainArgs, data_dir: Path, model_dir: Path, 
     rows = pq.read_table(data_dir / "eval.parquet").to_pylist()[:args.max_samples]
     if not rows:
         raise UserError("The eval split is empty: raise data.eval_fraction or add data.")
-    funcs = rewards.load(train)
+    funcs = rewards.load(train, runs_dir, model_dir)
     prompts = [r["prompt_ids"] for r in rows]
     texts = [r["prompt"] for r in rows]
     columns = [r["columns"] for r in rows]

@@ -2,7 +2,7 @@
 
 Builds the random-weight 4-bit checkpoint with bench/build_4bit.py (one layer at a time on the GPU; the bf16 model
 is never held, in memory or on disk) into --work (reused when already there), then, in one fresh subprocess,
-loads it and trains through the functions bench_train's pipeline worker uses (fit._peft_model, fit._trainer) on
+loads it and trains through the functions bench_train's pipeline worker uses (builder.adapted, builder.trainer_for) on
 bench_train's synthetic examples, three runs on the one loaded model:
 
   (a) speed.max_tokens_per_batch 2,048   (b) train_adapter's defaults (the pack size its plan picks)

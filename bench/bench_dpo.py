@@ -5,7 +5,7 @@ Builds the 8B-shaped model with random weights and quantizes it through the pipe
 worker_build: bench/shapes.py's model, a 128,256-id word-level tokenizer), then measures,
 each in its own process so that its GPU memory figures are its own:
 
-  (a) pipeline: tasks.train_adapter.preference.fit_and_save, train.method dpo, its defaults: padding-free
+  (a) pipeline: tasks.train_adapter.builder.fit_and_save with DPO's unit, its defaults: padding-free
       micro-batches of whole pairs sized in tokens by the memory plan for the GPU's memory (which also chooses
       the recomputed layers and the offloads), fused LoRA layers, MLP chunks, Liger where installed, TRL's fused
       LM head; data pre-tokenized as prepare_data writes it
@@ -121,7 +121,8 @@ class _Timer:
 def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     """train_adapter's DPO path as the stage runs it (its Progress callback measures)."""
     from tasks.config import LoraArgs, SpeedArgs, TrainArgs
-    from tasks.train_adapter import preference
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import unit
 
     out = Path(spec["work"]) / "pipeline-out"
     shutil.rmtree(out, ignore_errors=True)  # each variant starts afresh, no checkpoint to resume
@@ -129,8 +130,8 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     train = TrainArgs(method="dpo", max_steps=spec["steps"] + 1, per_device_train_batch_size=spec["pairs_per_step"],
                       learning_rate=5e-6, warmup_steps=0, logging_steps=1, save_steps=10**6, beta=0.1)
     t = time.time()
-    metrics = preference.fit_and_save(LoraArgs(), train, SpeedArgs(**spec.get("speed", {})), spec["data_dir"],
-                                      spec["model_dir_4bit"], out)
+    metrics = builder.fit_and_save(unit(train.method), LoraArgs(), train, SpeedArgs(**spec.get("speed", {})),
+                                   spec["data_dir"], spec["model_dir_4bit"], out)
     losses = [json.loads(line)["loss"] for line in (out / "loss.jsonl").read_text().splitlines()]
     import pyarrow.parquet as pq
     import torch

@@ -76,10 +76,11 @@ def training_model(model_dir: Path, tokens: int) -> tuple[Any, dict[str, Any]]:
     import torch
 
     from tasks.config import LoraArgs, SpeedArgs, TrainArgs
-    from tasks.train_adapter import fit, plan
+    from tasks.train_adapter import builder, plan
+    from tasks.train_adapter.methods import sft
 
     train, speed = TrainArgs(), SpeedArgs(fused_lora=False, max_tokens_per_batch=tokens)
-    model = fit._peft_model(model_dir, LoraArgs(), train, speed)
+    model = builder.adapted(sft.UNIT, model_dir, LoraArgs(), train, speed)[0]
     with torch.no_grad():  # LoRA B starts at zero; make the adapter path carry real values
         g = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():

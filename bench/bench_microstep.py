@@ -46,7 +46,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from tasks.config import LoraArgs
     from tasks.on_disk.parquet_dataset import ParquetExamples
-    from tasks.train_adapter import fit
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import sft
 
     model_dir = Path(spec["model_dir_4bit"])
     train, speed = bt.settings({"logging_steps": 1, "save_steps": 10**6, **spec["train"]})
@@ -54,8 +55,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if not data.exists():
         bt.write_examples(data, bt.token_rows(bt.lengths(4000, 2048), spec.get("vocab", bt.VOCAB)))
     examples = ParquetExamples(data)
-    model = fit._peft_model(model_dir, LoraArgs(), train, speed)
-    trainer, chosen = fit._trainer(model, examples, train, speed, data.parent / spec["name"], model_dir)
+    model = builder.adapted(sft.UNIT, model_dir, LoraArgs(), train, speed)[0]
+    trainer, chosen = builder.trainer_for(sft.UNIT, model, None, train, speed, examples, data.parent / spec["name"],
+                                          model_dir)
     collator = trainer.data_collator
     out: dict[str, Any] = {"name": spec["name"], "train": spec["train"], "choice": dataclasses.asdict(chosen),
                            "model_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3)

@@ -6,8 +6,8 @@ median 250 and sigma 0.8, at least 16, cut at --seq, seed 0):
 
   (a) reference: bench/reference_recipe.py, as a subprocess (transformers + peft + bitsandbytes, q/k/v/o,
                  micro-batch 1 x --reference-ga)
-  (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter.fit._peft_model and _trainer) with
-                 its defaults, LoRA r=16 on all seven projections
+  (b) pipeline:  train_adapter's own model and Trainer (tasks.train_adapter.builder.adapted and trainer_for, with
+                 SFT's unit) with its defaults, LoRA r=16 on all seven projections
   (c) unsloth:   bench/unsloth_peer.py in Unsloth's own environment (--unsloth-python or --unsloth-site)
 
 For each: real (non-padding) tokens/s, time per 1,000 examples, peak allocated and reserved GPU memory,
@@ -131,13 +131,14 @@ def worker_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
     from tasks.config import LoraArgs
     from tasks.errors import UserError
     from tasks.on_disk.parquet_dataset import ParquetExamples
-    from tasks.train_adapter import fit
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import sft
 
     model_dir = Path(spec["model_dir_4bit"])
     # logging_steps stays the pipeline's default: each logged step makes the host wait for the GPU
     base = {"learning_rate": 2e-4, "save_steps": 10**6, "warmup_steps": 0, **spec.get("train", {})}
     t = time.time()
-    model = fit._peft_model(model_dir, LoraArgs(**spec.get("lora", {})), *settings(base))
+    model = builder.adapted(sft.UNIT, model_dir, LoraArgs(**spec.get("lora", {})), *settings(base))[0]
     out: dict[str, Any] = {"load_s": round(time.time() - t, 1), "runs": [],
                            "model_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 2)
                            if torch.cuda.is_available() else None}
@@ -170,9 +171,10 @@ def _train_once(model: Any, examples: Any, train: tuple[Any, Any], out: Path, mo
     from transformers import TrainerCallback
 
     from bench.compile_layers import compile_layers, dynamo_counts
-    from tasks.train_adapter import fit
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import sft
 
-    trainer, chosen = fit._trainer(model, examples, *train, out, model_dir)
+    trainer, chosen = builder.trainer_for(sft.UNIT, model, None, *train, examples, out, model_dir)
     if compile_how:  # after the Trainer: it sets the checkpoint function that "inside" wraps
         compile_layers(model, compile_how)
     collator = trainer.data_collator

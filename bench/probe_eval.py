@@ -64,7 +64,7 @@ def probe_eval(runs: Path, mode: str, train_steps: int = 0, attention: str = "de
     from peft import PeftModel
 
     from tasks.config import EvalArgs
-    from tasks.evaluate_adapter import stage
+    from tasks.evaluate_adapter import sequences as stage
     from tasks.evaluate_adapter.generation import generation_tokens, greedy_generate
     from tasks.models.loading import load_for_evaluation, load_tokenizer
     from tasks.on_disk.parquet_dataset import ParquetExamples

@@ -45,7 +45,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     runs = config.runs_dir
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
-    rewards.check(config.train, runs)  # so does a reward function the deployment does not allow, or one that does not load
+    rewards.check(config.train, runs)  # so does a reward the deployment does not allow, or one that does not load
     tracking.check(config)  # so does a tracking server that does not answer, or a URI with a secret in it
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work

@@ -105,7 +105,7 @@ def training_runner(hosts: list[str] | None = None) -> Iterator[Any]:
     `hosts` (fleet_hosts), a runner whose threads each wait for a candidate's flow run on the fleet.
 
     Why not more in one process: two trainings in the flow-run process share its global state. torch's default
-    RNG is one per process: each training seeds it (set_seed in train_adapter/fit.py) and then draws its LoRA A
+    RNG is one per process: each training seeds it (set_seed in train_adapter/builder.py) and then draws its LoRA A
     matrices' initial values from it, and later, with lora_dropout > 0, its dropout masks. A second training's
     seeding and draws interleave with the first's, so the same cache key got another adapter (tuned eval loss
     5.976 against 5.951). transformers also sets torch's default dtype process-wide while it loads a model,

@@ -153,6 +153,9 @@ def quiet_libraries() -> None:
     # peft's PeftModel and TRL read model.is_gradient_checkpointing, which transformers 5 deprecates; our own
     # calls use the new names (activation_checkpointing), so what is left would print on every training run
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # TRL keeps some trainers (ORPO's among them) under trl.experimental and warns at each import that its API may
+    # change; the pipeline pins TRL's version (constraints.txt) and its tests cover the trainers it uses
+    warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
     # bitsandbytes tries an optional CPU kernel package (`kernels`, from the hub: not on machines without network)
     # in every model-loading stage and uses its own CPU kernel instead; nothing is wrong
     ops = logging.getLogger("bitsandbytes.backends.cpu.ops")

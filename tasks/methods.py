@@ -48,8 +48,10 @@ class Measure:
 
     def needed(self, best: float, margin: float) -> float:
         """What a challenger must do better than to beat `best` by `margin`."""
-        step = abs(best) * margin if self.margin == "relative" else margin
-        return best + step if self.higher_wins else best - step
+        sign = 1 if self.higher_wins else -1
+        if self.margin == "relative":  # a share of the incumbent's value (a positive loss: the same rule at 0.5 and 5)
+            return best * (1 + sign * margin)
+        return best + sign * margin
 
     def beats(self, value: float, best: float, margin: float) -> bool:
         """Whether `value` beats `best` by more than `margin` (a NaN never does)."""
@@ -166,7 +168,7 @@ METHODS: tuple[Method, ...] = (
     Method("reward_model", "a reward model: the base with a scalar score head, trained on pairs (format "
            "preference) to score the chosen answer above the rejected one; usable as a grpo reward "
            "(train.rewards: [registry:NAME]).", "preference", ("preference",), PAIRWISE_ACCURACY, packing=False,
-           scorer="reward_model", head="score", registry="reward-model",
+           scorer="scores", head="score", registry="reward-model",
            shown=(("pairwise accuracy", "pairwise_accuracy"), ("score margin", "score_margin")),
            card_note="A reward model: the base model with a LoRA adapter and a scalar score head (peft task "
            "SEQ_CLS). Pairwise accuracy is the share of held-out pairs whose chosen answer it scores above the "

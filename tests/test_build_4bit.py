@@ -89,7 +89,8 @@ def test_random_weights_have_the_same_layout_and_load_for_training(folders: dict
 
     from tasks.config import LoraArgs, SpeedArgs, TrainArgs
     from tasks.models.loading import load_quantized
-    from tasks.train_adapter import fit
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import sft
 
     want, got = _tensors(folders["prepared"]), _tensors(folders["random"])
     assert {k: (v.dtype, v.shape) for k, v in got.items() if "quant_state" not in k} == \
@@ -98,7 +99,7 @@ def test_random_weights_have_the_same_layout_and_load_for_training(folders: dict
     model = load_quantized(folders["random"])
     logits = model(input_ids=torch.tensor([[1, 5, 9, 200]])).logits
     assert logits.shape == (1, 4, DIMS["vocab"]) and torch.isfinite(logits).all()
-    peft = fit._peft_model(folders["random"], LoraArgs(), TrainArgs(), SpeedArgs())
+    peft = builder.adapted(sft.UNIT, folders["random"], LoraArgs(), TrainArgs(), SpeedArgs())[0]
     assert sum(p.numel() for p in peft.parameters() if p.requires_grad) > 0
 
 

@@ -269,7 +269,7 @@ def test_export_publishes_once_per_stage_key_and_records_the_verdict(trained: di
 # --- evaluation at GPU speed: dequantized base, length-sorted batches --------------------------------------------
 def _eval_inputs(trained: dict[str, Any], size: int) -> tuple[list[dict[str, Any]], list[list[int]], list[int]]:
     """The first 40 eval examples in length-sorted batches, their prompts, and the eos ids."""
-    from tasks.evaluate_adapter.stage import _batches
+    from tasks.evaluate_adapter.sequences import _batches
     from tasks.models.loading import load_tokenizer
     from tasks.on_disk.parquet_dataset import ParquetExamples
 
@@ -294,7 +294,7 @@ def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) ->
     from peft import PeftModel
 
     from tasks.evaluate_adapter.generation import greedy_generate
-    from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.evaluate_adapter.sequences import mean_loss
     from tasks.models.dequantize import dequantize_decision, dequantize_in_place
     from tasks.models.loading import load_quantized
 
@@ -328,7 +328,7 @@ def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> Non
     from peft import PeftModel
 
     from tasks.evaluate_adapter.generation import greedy_generate
-    from tasks.evaluate_adapter.stage import _attached, mean_loss
+    from tasks.evaluate_adapter.sequences import _attached, mean_loss
     from tasks.models.dequantize import dequantize_in_place
     from tasks.models.loading import load_quantized
 
@@ -347,7 +347,7 @@ def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> Non
 
 def test_length_sorted_batches_keep_the_loss_and_the_answers(trained: dict[str, Any]) -> None:
     from tasks.evaluate_adapter.generation import by_length, generation_tokens, greedy_generate
-    from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.evaluate_adapter.sequences import mean_loss
     from tasks.models.dequantize import dequantize_in_place
     from tasks.models.loading import load_quantized
 

@@ -201,7 +201,7 @@ def test_layers_that_cpu_repacking_cannot_take_keep_the_plain_4bit_path(tmp_path
     import bitsandbytes.nn.modules
 
     from tasks.config import ModelArgs
-    from tasks.evaluate_adapter.stage import mean_loss
+    from tasks.evaluate_adapter.sequences import mean_loss
     from tasks.models.loading import load_quantized
     from tasks.prepare_model.stage import prepare_model
 

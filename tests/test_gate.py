@@ -30,6 +30,7 @@ from tasks.errors import UserError
 from tasks.evaluate_adapter.champion import score_champion
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.stage import export_adapter
+from tasks.methods import REWARD_ACCURACY
 from tasks.on_disk.manifest import MANIFEST, read_manifest
 from tasks.registry import store as registry
 from tasks.registry.gate import gate, identity, rule
@@ -154,10 +155,10 @@ def test_preference_gate_same_data_and_fallback() -> None:
                 "metrics": {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.9}}
     tonight = {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.7, "champion_reward_accuracy": 0.6,
                "champion_eval_loss": 1.0, "judged_against": "v0001", "champion_adapter": identity(champion)}
-    verdict, reason = gate(tonight, champion, 0.01, "new")
+    verdict, reason = gate(tonight, champion, 0.01, "new", REWARD_ACCURACY)
     assert verdict == "promoted" and "champion v0001's 0.600 on this run's eval data (same-data rule)" in reason
     assert rule(tonight, champion) == "same-data"
-    verdict, reason = gate({**tonight, "champion_adapter": None}, champion, 0.01, "new", "why not")
+    verdict, reason = gate({**tonight, "champion_adapter": None}, champion, 0.01, "new", REWARD_ACCURACY, "why not")
     assert verdict == "rejected" and "0.900 on its own night's eval data (cross-night rule: why not" in reason
 
 

@@ -126,7 +126,8 @@ def test_grpo_config_rules() -> None:
         load_config(None, ["train.rewards=[format]"])
     with pytest.raises(ValueError, match="must divide the answers of an optimizer step"):
         _config(**{"train.per_device_train_batch_size": 6})
-    with pytest.raises(ValueError, match="samples answers to prompts, but data.format is dolly"):
+    with pytest.raises(ValueError, match=r"train.method=grpo trains on prompts data \(prompts\), but data.format is "
+                                         "dolly"):
         _config("data.format=dolly")
     with pytest.raises(ValueError, match="train.loss_type=sigmoid does not go with train.method=grpo"):
         _config("train.loss_type=sigmoid")
@@ -153,7 +154,8 @@ def test_built_in_rewards() -> None:
 
     train = _config(**{"train.rewards": "[answer_match, numeric_match, format, length_penalty]",
                        "train.reward_pattern": "^[0-9]", "train.max_completion_length": 4}).train
-    scored = rewards.score(rewards.load(train), ["p"] * 3, ["12", "it is 12.0 or 13", "twelve"],
+    funcs = rewards.load(train, Path("runs"), Path("model"))  # built-ins only: neither folder is read
+    scored = rewards.score(funcs, ["p"] * 3, ["12", "it is 12.0 or 13", "twelve"],
                            [[5], [5, 6, 7, 8, 9], []], [json.dumps({"answer": "12"})] * 2 + ["{}"])
     assert scored == {"answer_match": [1.0, 0.0, None], "numeric_match": [1.0, 0.0, None],
                       "format": [1.0, 0.0, 0.0], "length_penalty": [-0.25, -1.0, 0.0]}
@@ -181,7 +183,7 @@ def test_an_allowed_modules_function_trains_and_its_source_keys_the_training(
     from tasks.train_adapter.stage import spec
 
     config = _config(**{"train.rewards": "[format, 'myrewards:short']", "train.max_steps": 2})
-    rewards.check(config.train)
+    rewards.check(config.train, tmp_path)
     args = (config.lora, config.train, config.speed, tmp_path, prompt_stages["data"], prompt_stages["model"])
     before = spec(*args).key
     done = _train(config, tmp_path, prompt_stages)
@@ -193,7 +195,7 @@ def test_an_allowed_modules_function_trains_and_its_source_keys_the_training(
     assert spec(*args).key != before  # an edited reward function retrains
     monkeypatch.delenv("QLORA_REWARD_MODULES")  # the same module, no longer allowed by the deployment
     with pytest.raises(UserError, match="which the deployment does not allow \\(allowed: none\\)"):
-        rewards.check(config.train)
+        rewards.check(config.train, tmp_path)
 
 
 def test_per_step_reward_kl_and_length_reach_tensorboard(prompt_stages: dict[str, str], tmp_path: Path) -> None:
@@ -235,28 +237,29 @@ def test_rewards_that_read_a_missing_column_fail_before_training(prompt_stages: 
     config = _config(**{"train.rewards": "[numeric_match]"})
     with pytest.raises(UserError, match="read the column\\(s\\) answer, which the prompts lack"):
         _train(config, tmp_path, {**prompt_stages, "data": data})
-    with pytest.raises(UserError, match="train.method=grpo samples answers to prompts, but the data is in the dolly"):
+    with pytest.raises(UserError, match="train.method=grpo trains on prompts data .*, but the data is in the dolly"):
         _train(config, tmp_path, {**prompt_stages, "data": stages["data"]})
 
 
 def test_gate_promotes_grpo_runs_on_their_mean_held_out_reward() -> None:
+    from tasks.methods import MEAN_REWARD
     from tasks.registry.gate import gate
 
     def run(reward: float) -> dict[str, Any]:
         return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0, "tuned_mean_reward": reward,
                                                                   "base_mean_reward": 0.2}}
-    verdict, reason = gate(run(0.8)["metrics"], run(0.5), 0.01, "k")
+    verdict, reason = gate(run(0.8)["metrics"], run(0.5), 0.01, "k", MEAN_REWARD)
     assert verdict == "promoted" and "tuned mean reward 0.800 beats champion v0001's 0.500" in reason
-    verdict, reason = gate({**run(0.505)["metrics"], "tuned_eval_loss": 0.1}, run(0.5), 0.01, "k")
+    verdict, reason = gate({**run(0.505)["metrics"], "tuned_eval_loss": 0.1}, run(0.5), 0.01, "k", MEAN_REWARD)
     assert verdict == "rejected" and "needed > 0.510" in reason  # a lower eval loss does not decide
-    verdict, reason = gate(run(0.15)["metrics"], None, 0.01, "k")
+    verdict, reason = gate(run(0.15)["metrics"], None, 0.01, "k", MEAN_REWARD)
     assert verdict == "rejected" and "the base model's 0.200" in reason
     # a sweep ranks grpo candidates by the same rule; a NaN mean reward is unranked
-    from tasks.sweep.ranking import _WORST, _beats
+    from tasks.sweep.ranking import _beats
 
-    assert _beats(run(0.6)["metrics"], run(0.5)["metrics"], "k") and not _beats(run(0.5)["metrics"],
-                                                                               run(0.6)["metrics"], "k")
-    assert not _beats(run(float("nan"))["metrics"], _WORST, "k")
+    assert _beats(run(0.6)["metrics"], run(0.5)["metrics"], "k", MEAN_REWARD)
+    assert not _beats(run(0.5)["metrics"], run(0.6)["metrics"], "k", MEAN_REWARD)
+    assert not _beats(run(float("nan"))["metrics"], {"tuned_mean_reward": MEAN_REWARD.worst}, "k", MEAN_REWARD)
 
 
 # --- training -------------------------------------------------------------------------------------------------------
@@ -335,3 +338,23 @@ def test_every_family_trains_one_grpo_step(prompt_stages: dict[str, str], tmp_pa
         made = _metrics(done)
         assert made["method"] == "grpo" and made["optimizer_steps"] == 1, family
         assert (done / "adapter" / "adapter_model.safetensors").is_file(), family
+
+
+def test_a_damaged_init_adapter_is_refused_before_grpo_training(prompt_stages: dict[str, str], tmp_path: Path
+                                                                ) -> None:
+    """GRPO starts from train.init_adapter through the same trainer builder as every method, so a damaged one is
+    refused before the first step (checked on the first prompts, all their tokens scored)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trained = _train(_config(**{"train.max_steps": 1, "lora.r": 4}), tmp_path, prompt_stages) / "adapter"
+    start = tmp_path / "copied"  # a plain folder: no recorded hashes to catch the damage before the weights are tried
+    shutil.copytree(trained, start)
+    weights = load_file(start / "adapter_model.safetensors")
+    save_file({k: v.fill_(1e28) if "layers.3.mlp.down_proj.lora_B" in k else v for k, v in weights.items()},
+              start / "adapter_model.safetensors")
+    with pytest.raises(UserError, match=rf"^train\.init_adapter='{start}' is damaged: on the first 4 training "
+                                        r"examples the base model with it"):
+        _train(_config(**{"train.max_steps": 2, "train.init_adapter": str(start)}), tmp_path, prompt_stages)
+    assert len(list(tmp_path.glob("train_adapter/*/manifest.json"))) == 1  # the first training's only

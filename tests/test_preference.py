@@ -107,9 +107,11 @@ def test_method_and_data_format_must_fit(stages: dict[str, Any], tmp_path: Path)
     from tasks.train_adapter.stage import train_adapter
 
     pairs = _prepare(tmp_path, [GOOD, {**GOOD, "chosen": "Blue."}])
-    with pytest.raises(UserError, match=r"in the preference format \(preference data\), but train.method is sft"):
+    with pytest.raises(UserError, match=r"train.method=sft trains on sequences data .*, but the data is in the "
+                                        "preference format"):
         train_adapter.fn(LoraArgs(), TrainArgs(), SpeedArgs(), tmp_path, str(pairs), stages["model"])
-    with pytest.raises(UserError, match="train.method=dpo trains on preference data, but the data is in the dolly"):
+    with pytest.raises(UserError, match=r"train.method=dpo trains on preference data \(format preference\), but the "
+                                        "data is in the dolly"):
         train_adapter.fn(LoraArgs(), TrainArgs(method="dpo"), SpeedArgs(), tmp_path, stages["data"], stages["model"])
 
 
@@ -118,25 +120,27 @@ def test_preference_config_rules() -> None:
                        ).train.init_adapter == "champion:x"
     with pytest.raises(ValueError, match="train.loss_type=kto does not go with train.method=dpo"):
         load_config(None, ["train.method=dpo", "train.loss_type=kto"])
-    with pytest.raises(ValueError, match="loss_type is for dpo, kto and grpo only"):
+    with pytest.raises(ValueError, match="loss_type is for dpo, kto, grpo only"):
         load_config(None, ["train.loss_type=sigmoid"])
     with pytest.raises(ValueError, match="set train.per_device_train_batch_size to 2 or more"):
         load_config(None, ["train.method=kto", "train.per_device_train_batch_size=1"])
-    with pytest.raises(ValueError, match="trains on preference data, but data.format is dolly"):
+    with pytest.raises(ValueError, match=r"trains on preference data \(preference\), but data.format is dolly"):
         load_config(None, ["train.method=dpo", "data.format=dolly"])
     with pytest.raises(ValueError, match="does not run with speed.fsdp"):
         load_config(None, ["train.method=dpo", "speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"])
 
 
 def test_promotion_gate_uses_reward_accuracy_for_preference_runs() -> None:
+    from tasks.methods import REWARD_ACCURACY
     from tasks.registry.gate import gate
 
     def run(accuracy: float) -> dict[str, Any]:
         return {"version": "v0001", "eval_data": "k", "metrics": {"tuned_eval_loss": 1.0,
                                                                   "tuned_reward_accuracy": accuracy}}
-    verdict, reason = gate(run(0.80)["metrics"], run(0.70), 0.01, "k")
+    verdict, reason = gate(run(0.80)["metrics"], run(0.70), 0.01, "k", REWARD_ACCURACY)
     assert verdict == "promoted" and "tuned reward accuracy 0.800 beats" in reason
-    verdict, reason = gate({**run(0.705)["metrics"], "tuned_eval_loss": 0.1}, run(0.70), 0.01, "k")
+    verdict, reason = gate({**run(0.705)["metrics"], "tuned_eval_loss": 0.1}, run(0.70), 0.01, "k",
+                           REWARD_ACCURACY)
     assert verdict == "rejected" and "needed > 0.710" in reason  # a lower eval loss does not decide
 
 
@@ -286,15 +290,27 @@ def test_kill_9_mid_dpo_resumes_with_the_same_number_of_steps(pairs: dict[str, s
     assert logged == list(range(1, steps + 1))
 
 
+def _dataset(pairs: dict[str, str], train: Any) -> Any:
+    from tasks.train_adapter.methods import unit
+
+    return unit(train.method).dataset(Path(pairs["data"]), train)
+
+
+def _trainer(config: Any, speed: Any, dataset: Any, out: Path, pairs: dict[str, str]) -> Any:
+    """The trainer the builder makes for config's method on `dataset` (not trained)."""
+    from tasks.train_adapter import builder
+    from tasks.train_adapter.methods import unit
+
+    return builder.build(unit(config.train.method), config.lora, config.train, speed, dataset, out,
+                         Path(pairs["model"]))[0]
+
+
 def _twin_trainers(pairs: dict[str, str], method: str, tmp_path: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
     """TRL's padded path (speed.packing off) and the padding-free one, on the same weights, and 4 rows of data."""
-    from tasks.train_adapter import preference
-
     config = load_config(None, [f"train.method={method}", "train.per_device_train_batch_size=4"])
-    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
-    trainers = [preference._trainer(config.lora, config.train, config.speed.model_copy(update={"packing": packing}),
-                                    dataset, tmp_path / str(packing), Path(pairs["model"]))[0]
-                for packing in (False, True)]
+    dataset = _dataset(pairs, config.train)
+    trainers = [_trainer(config, config.speed.model_copy(update={"packing": packing}), dataset, tmp_path / str(packing),
+                         pairs) for packing in (False, True)]
     plain, packed = trainers
     weights = dict(plain.model.named_parameters())
     for name, param in packed.model.named_parameters():
@@ -399,15 +415,12 @@ def test_padding_free_dpo_trains_step_for_step_like_trls_padded_batches(pairs: d
     of per_device_train_batch_size pairs on a CPU) sees the same pairs in each step as TRL's padded path and logs
     the same loss after every step. Before, its micro-batches were fixed groups of pairs drawn by its own shuffle:
     other pairs in every step, and a 1-pair remainder group anywhere in the epoch."""
-    from tasks.train_adapter import preference
-
     config = load_config(None, ["train.method=dpo", "train.per_device_train_batch_size=4", "train.max_steps=4",
                                 "train.logging_steps=1", "train.learning_rate=0.003", "train.beta=0.5",
                                 "train.seed=1"])
-    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
-    trainers = [preference._trainer(config.lora, config.train, config.speed.model_copy(update={"packing": packing}),
-                                    dataset, tmp_path / str(packing), Path(pairs["model"]))[0]
-                for packing in (False, True)]
+    dataset = _dataset(pairs, config.train)
+    trainers = [_trainer(config, config.speed.model_copy(update={"packing": packing}), dataset, tmp_path / str(packing),
+                         pairs) for packing in (False, True)]
     plain, packed = trainers
     assert getattr(packed.model.get_base_model().forward, "padding_free", False)
     weights = dict(plain.model.named_parameters())
@@ -429,14 +442,11 @@ def test_token_budget_groups_make_a_steps_loss_the_mean_over_its_pairs(pairs: di
     means that the Trainer's division by gradient_accumulation_steps alone gives."""
     import torch
 
-    from tasks.train_adapter import preference
-
     config = load_config(None, ["train.method=dpo", "train.gradient_accumulation_steps=2"])
-    dataset = preference._dataset(Path(pairs["data"]) / "train.parquet", config.train)
+    dataset = _dataset(pairs, config.train)
     speeds = [config.speed.model_copy(update={"packing": False}),
               config.speed.model_copy(update={"max_tokens_per_batch": 200})]
-    plain, packed = (preference._trainer(config.lora, config.train, speed, dataset, tmp_path / str(i),
-                                         Path(pairs["model"]))[0] for i, speed in enumerate(speeds))
+    plain, packed = (_trainer(config, speed, dataset, tmp_path / str(i), pairs) for i, speed in enumerate(speeds))
     groups = packed.train_dataset.groups
     first = next(g for g in groups if len(g) > 1)
     second = next(g for g in groups if len(g) != len(first))  # of another size: the weighting shows

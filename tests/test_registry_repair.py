@@ -262,7 +262,7 @@ def test_a_first_version_that_does_not_beat_its_base_model_is_not_champion(publi
     assert registry.champion(root) is None and not (root / registry.CHAMPION).exists()
     preference = registry.publish(root, source, "k2", {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.5,
                                                        "base_reward_accuracy": 0.5}, 0.01, "d",
-                                  lambda folder, record: "card")
+                                  lambda folder, record: "card", {"method": "dpo"})
     assert preference["promotion"] == "rejected" and "does not beat the base model's 0.500" in preference["reason"]
     assert registry.champion(root) is None
 

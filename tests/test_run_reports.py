@@ -23,9 +23,10 @@ def test_summary_names_the_resumed_step_and_the_reward_accuracy(capsys: pytest.C
               "train_adapter": {"status": "resumed", "dir": "runs/train_adapter/b", "resumed_from_step": 4},
               "evaluate_adapter": {"status": "computed", "dir": "runs/evaluate_adapter/c"}}
     metrics = {"base_eval_loss": 2.0, "tuned_eval_loss": 1.0, "relative_improvement": 0.5, "base_perplexity": 7.4,
-               "tuned_perplexity": 2.7, "eval_pairs": 20, "base_reward_accuracy": 0.5, "tuned_reward_accuracy": 0.85,
+               "tuned_perplexity": 2.7, "eval_examples": 20, "eval_pairs": 20, "base_reward_accuracy": 0.5,
+               "tuned_reward_accuracy": 0.85,
                "base_reward_margin": 0.0, "tuned_reward_margin": 1.25}  # a dpo run's: its gate compares the accuracy
-    _print_summary({"stages": stages, "metrics": metrics, "export_dir": "x", "run_dir": "r"})
+    _print_summary({"method": "dpo", "stages": stages, "metrics": metrics, "export_dir": "x", "run_dir": "r"})
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert "resumed from step 4" in lines["train_adapter"]
     assert "base 0.500 -> tuned 0.850" in lines["reward"] and "20 held-out pairs" in lines["reward"]

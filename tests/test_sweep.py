@@ -243,6 +243,7 @@ def test_bad_grid_fails_the_flow_before_any_stage(prefect_env: Path, tmp_path: P
 def test_ranking_follows_the_promotion_gate() -> None:
     """Lowest tuned eval loss first; a NaN loss is unranked, never the winner; preference runs by reward accuracy;
     the registry champion's numbers in a candidate's metrics do not enter the comparison."""
+    from tasks.methods import LOSS, REWARD_ACCURACY
     from tasks.sweep.ranking import Outcome, order
 
     plan = expand(load_config(), {"lora.r": [1, 2, 3, 4]})
@@ -250,14 +251,14 @@ def test_ranking_follows_the_promotion_gate() -> None:
     outcomes = [Outcome(c, "finished", metrics={"tuned_eval_loss": x, "champion_eval_loss": 0.1})
                 for c, x in zip(plan.candidates, losses, strict=True)]
     outcomes.append(Outcome(plan.candidates[0], "failed", error="train_adapter: boom"))
-    ranked = order(outcomes, "data-key")
+    ranked = order(outcomes, "data-key", LOSS)
     assert [(o.candidate.name, o.status, o.rank) for o in ranked] == [
         ("c3", "finished", 1), ("c1", "finished", 2), ("c4", "finished", 3), ("c2", "unranked", None),
         ("c1", "failed", None)]
     preference = [Outcome(c, "finished", metrics={"tuned_eval_loss": loss, "tuned_reward_accuracy": accuracy})
                   for c, loss, accuracy in zip(plan.candidates, [1.0, 3.0, 2.0, 1.5], [0.6, 0.9, 0.7, float("nan")],
                                                 strict=True)]
-    assert [(o.candidate.name, o.status) for o in order(preference, "data-key")] == [
+    assert [(o.candidate.name, o.status) for o in order(preference, "data-key", REWARD_ACCURACY)] == [
         ("c2", "finished"), ("c3", "finished"), ("c1", "finished"), ("c4", "unranked")]
 
 

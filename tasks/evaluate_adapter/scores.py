@@ -72,7 +72,8 @@ def evaluate(args: EvalArgs, data_dir: Path, model_dir: Path, adapter: Path) -> 
     metrics = {"eval_examples": len(pairs), "eval_pairs": len(pairs), "eval_tokens": sum(map(len, sum(pairs, ()))),
                "generation_samples": 0, "max_new_tokens": 0, **{f"base_{k}": v for k, v in TIE.items()},
                **{f"tuned_{k}": v for k, v in tuned.items()},
-               "base_exact_match": None, "tuned_exact_match": None, "base_rouge_l": None, "tuned_rouge_l": None,
+               **dict.fromkeys(f"{who}_{key}" for who in ("base", "tuned")  # no language model, no answers
+                               for key in ("perplexity", "exact_match", "rouge_l")),
                "relative_improvement": (TIE["eval_loss"] - tuned["eval_loss"]) / TIE["eval_loss"]}
     tokenizer = load_tokenizer(model_dir)
     shown = [{"prompt": tokenizer.decode(r["prompt_ids"], skip_special_tokens=True),

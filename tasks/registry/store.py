@@ -53,6 +53,7 @@ from tasks.on_disk.manifest import MANIFEST, check_stage, read_manifest
 from tasks.registry.gate import WEIGHTS, nothing_to_add, verdict
 
 VERSION_FILE = "version.json"
+BY_HAND = "by hand"  # the rule of a champion chosen by `qlora-pipeline promote`
 CHAMPION = "champion.json"
 PUBLISHED = "published"  # in the export stage folder: the version.json and README.md it was published with
 _VERSION_NAME = re.compile(r"^v(\d{4,})$")
@@ -176,7 +177,17 @@ def _champion_problem(root: Path, records: list[dict[str, Any]]) -> str:
     record = next((r for r in records if r["version"] == version), None)
     if record is None:
         return f"{CHAMPION} names {version}, which is gone"
-    return "" if record["promotion"] == "promoted" else f"{CHAMPION} names {version}, which was rejected"
+    if record["promotion"] == "promoted" or _made_by_hand(root):  # `promote` may choose any version
+        return ""
+    return f"{CHAMPION} names {version}, which was rejected"
+
+
+def _made_by_hand(root: Path) -> bool:
+    """Whether champion.json was written by `qlora-pipeline promote` (its rule), which may name a rejected version."""
+    try:
+        return json.loads((root / CHAMPION).read_bytes()).get("rule") == BY_HAND
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def heal(root: Path) -> list[str]:
@@ -620,5 +631,5 @@ def promote(root: Path, version: str) -> dict[str, Any]:
     with FileLock(str(root) + ".lock"):
         now = champion(root)
         reason = f"made champion by hand (qlora-pipeline promote; the champion was {now and now['version']})"
-        _write_champion(root, {**record, "reason": reason, "rule": "by hand"})
+        _write_champion(root, {**record, "reason": reason, "rule": BY_HAND})
     return champion(root)

@@ -24,9 +24,8 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from tasks import methods
 from tasks.config import TrainArgs

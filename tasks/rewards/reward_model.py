@@ -52,7 +52,7 @@ def make(name: str, runs_dir: Path, model_dir: Path) -> Callable[..., list[float
     if record.get("base_model") != registry.base_identity(model_dir):
         raise UserError(f"train.rewards {name}: {record['version']} of registry {_parts(name)[0]} was trained on "
                         "another base model than this run's, so its score head cannot read this model's states. "
-                        "Train a reward model on this run's model.base_model (train.method reward_model), or name "
+                        f"Train a reward model on this run's model.base_model (train.method {_scorers()}), or name "
                         "one that was.")
     loaded: dict[str, Any] = {}
 
@@ -79,13 +79,12 @@ def _resolve(name: str, runs_dir: Path) -> tuple[dict[str, Any], Path]:
     if record is None:
         what = f"has no version {version}" if version else "has no champion yet"
         raise UserError(f"train.rewards {name}: the exports registry {registry_name} at {root} {what}. Train a "
-                        f"reward model into it first (train.method reward_model, export.name {registry_name}), or "
+                        f"reward model into it first (train.method {_scorers()}, export.name {registry_name}), or "
                         "name a registry and version that exist (qlora-pipeline history --export-name NAME).")
     trained = registry.record_method(root, record)
     if trained.head != "score":
-        scorers = ", ".join(m.name for m in methods.METHODS if m.head == "score")
         raise UserError(f"train.rewards {name}: {record['version']} of registry {registry_name} was trained by "
-                        f"{trained.name}, which makes no reward model; name a registry of {scorers} versions.")
+                        f"{trained.name}, which makes no reward model; name a registry of {_scorers()} versions.")
     problem = registry.repaired(root, record) if record.get("files") else ""
     if problem:
         raise UserError(f"train.rewards {name}: {problem}. Name another version, or train the reward model again.")
@@ -99,3 +98,7 @@ def _parts(name: str) -> tuple[str, str | None]:
                         "NAME) or registry:NAME/vNNNN (a version), NAME an export.name.")
     return found.group(1), found.group(2)
 
+
+def _scorers() -> str:
+    """The methods that train a reward model (tasks/methods.py: a score head)."""
+    return " or ".join(m.name for m in methods.METHODS if m.head == "score")

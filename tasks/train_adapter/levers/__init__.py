@@ -19,14 +19,14 @@ from tasks.train_adapter.levers import attention, fused_lora, liger, loss, mlp, 
 
 Phase = Literal["load", "base", "peft", "batches", "trl", "processes"]
 PHASES: dict[str, str] = {
-    "load": "as prepare_model's checkpoint is loaded, before the others (fit._peft_model, preference._trainer)",
+    "load": "as prepare_model's checkpoint is loaded, before the others (builder.adapted)",
     "base": "before LoRA wraps the model: plan.prepare_base calls `apply`, in LEVERS' order",
     "peft": "after LoRA wraps the model: plan.prepare_peft calls `apply`, in LEVERS' order",
     "batches": "with the micro-batches, which on a GPU with packing the memory plan chooses (plan.training_batches, "
-               "preference._micro_batches)",
-    "trl": "around TRL's trainer, for train.method dpo and kto (preference._trainer)",
+               "methods/preference.py _micro_batches)",
+    "trl": "around TRL's trainer, for the methods on pairs and rated answers (methods/preference.py)",
     "processes": "how many training processes there are, on how many hosts, and how they share the model (launch.py, "
-                 "nodes.py, fit._trainer)",
+                 "nodes.py, builder.trainer_for)",
 }
 
 

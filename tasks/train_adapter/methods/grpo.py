@@ -69,9 +69,10 @@ class Grpo(Unit):
                   **({"loss_type": train.loss_type} if train.loss_type else {}),
                   "remove_unused_columns": False, "log_completions": False}
         counter = _TokenCounter()
+        runs_dir = model_dir.parents[1]  # prepare_model's folder is runs_dir/prepare_model/<key>
+        funcs = [rewards.for_trl(f) for f in rewards.load(train, runs_dir, model_dir)]
         return Recipe(_Counting(GRPOTrainer), GRPOConfig, config, data, counter,
-                      {"processing_class": load_tokenizer(model_dir),
-                       "reward_funcs": [rewards.for_trl(f) for f in rewards.load(train, model_dir.parents[1], model_dir)]},
+                      {"processing_class": load_tokenizer(model_dir), "reward_funcs": funcs},
                       settings_speed=self.base_speed(speed))
 
     def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> None:

@@ -26,6 +26,7 @@ from tasks.log import logger
 from tasks.models.loading import device, load_quantized, read_model_metrics
 from tasks.reporting import tracking
 from tasks.train_adapter import plan
+from tasks.train_adapter.levers import generation
 from tasks.train_adapter.resume import latest_checkpoint
 
 
@@ -103,6 +104,7 @@ def _trainer(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, dataset: Any, o
                 param.data = param.data.float()
     plan.prepare_peft(trainer.model, speed)
     _checkpointing(trainer.model.get_base_model(), train)
+    generation.install(trainer, speed)  # the answers sampled on the dequantized base where it fits (a GPU)
     return trainer
 
 

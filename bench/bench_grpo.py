@@ -309,6 +309,8 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=256)
     ap.add_argument("--variants", default="", help="more pipeline runs per length, comma-separated: four_bit, eager")
     ap.add_argument("--check-tokens", type=int, default=32, help="new tokens of the check worker; 0: no check")
+    ap.add_argument("--deadline-s", type=int, default=0, help="start no run after this many seconds (0: no limit); "
+                    "the ones left are reported as skipped")
     ap.add_argument("--out", type=Path, help="write the JSON here, after every run (default: print only)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model with the same vocabulary: checks the script "
                     "end to end on a CPU in a few minutes (figures meaningless)")
@@ -344,16 +346,22 @@ def main() -> None:
     if a.check_tokens:
         report["check"] = _run("check", spec, work / "check.log", 600)
         _save(report, a.out)
-    for length in [int(x) for x in a.lengths.split(",")]:
+    lengths = [int(x) for x in a.lengths.split(",")]
+    # TRL and the pipeline at every length first, the variants (at the first length) last: a deadline cuts those
+    order = [(n, name) for n in lengths for name in ("trl", "pipeline")]
+    order += [(lengths[0], v) for v in a.variants.split(",") if v]
+    for length, name in order:
         runs = report.setdefault("lengths", {}).setdefault(str(length), {})
-        for name in ["trl", "pipeline", *[v for v in a.variants.split(",") if v]]:
-            kind = "trl" if name == "trl" else "pipeline"
-            variant = None if name in ("trl", "pipeline") else name
-            runs[name if not variant else f"pipeline_{variant}"] = _run(
-                kind, {**spec, "length": length, "variant": variant}, work / f"{name}-{length}.log", 900)
-            _save(report, a.out)
-        if "s_per_step" in runs["trl"] and "s_per_step" in runs["pipeline"]:
+        key = name if name in ("trl", "pipeline") else f"pipeline_{name}"
+        if a.deadline_s and time.time() - started > a.deadline_s:
+            runs[key] = {"error": f"skipped: past --deadline-s {a.deadline_s}"}
+            continue
+        runs[key] = _run("trl" if name == "trl" else "pipeline",
+                         {**spec, "length": length, "variant": None if key == name else name},
+                         work / f"{name}-{length}.log", 900)
+        if "s_per_step" in runs.get("trl", {}) and "s_per_step" in runs.get("pipeline", {}):
             runs["speedup"] = round(runs["trl"]["s_per_step"] / runs["pipeline"]["s_per_step"], 2)
+        _save(report, a.out)
     report["wall_s"] = round(time.time() - started, 1)
     _save(report, a.out)
     print(json.dumps(report, indent=2))
@@ -365,7 +373,8 @@ def _table(report: dict[str, Any]) -> None:
     print(f"\n{report.get('gpu')}: s/step (generation s/step), mean answer tokens")
     for length, runs in report.get("lengths", {}).items():
         cells = [f"{name} {r['s_per_step']} ({r['generation_s_per_step']}) {r['mean_answer_tokens']}"
-                 if "s_per_step" in r else f"{name} {r.get('error')}" for name, r in runs.items() if name != "speedup"]
+                 if "s_per_step" in r else f"{name} {str(r.get('error'))[:60]}" for name, r in runs.items()
+                 if name != "speedup"]
         print(f"answers of {length}: " + " | ".join(cells) + f" | speedup {runs.get('speedup')}")
     check = report.get("check", {})
     print("check:", {k: check.get(k) for k in ("graph_tokens_equal_eager", "graph_failed", "first_logits_rel_diff",

@@ -197,9 +197,9 @@ def _four_bit_layers(model: Any) -> Iterator[Any]:
 
 def _lora_layers(model: Any) -> Iterator[Any]:
     """peft's LoRA layers whose base layer is one of _four_bit_layers."""
-    from tasks.train_adapter.levers.fused_lora import _lora_types
+    from tasks.train_adapter.levers.fused_lora import lora_types
 
     dense = {id(m) for m in _four_bit_layers(model)}
     for module in model.modules():
-        if isinstance(module, _lora_types()) and id(module.get_base_layer()) in dense:
+        if isinstance(module, lora_types()) and id(module.get_base_layer()) in dense:
             yield module

@@ -54,12 +54,20 @@ def dequantize_in_place(model: Any) -> Any:
         if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
             raise RuntimeError(f"{name}: bitsandbytes already repacked this weight for its CPU kernel; dequantize "
                                "before the model's first forward")
-        weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                  device="meta")
-        linear.weight = torch.nn.Parameter(weight.to(module.compute_dtype or weight.dtype), requires_grad=False)
+        linear.weight = torch.nn.Parameter(dequantized_weight(module), requires_grad=False)
         if module.bias is not None:
             linear.bias = module.bias
         model.set_submodule(name, linear)
     model.is_loaded_in_4bit = False  # peft then attaches LoRA to plain Linear layers
     return model
+
+
+def dequantized_weight(module: Any) -> Any:
+    """A bnb 4-bit Linear's weight dequantized to the layer's compute dtype: the matrix its forward multiplies by
+    (bitsandbytes dequantizes the same NF4 weight to the compute dtype on every forward)."""
+    import bitsandbytes as bnb
+
+    weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+    return weight.to(module.compute_dtype or weight.dtype)

@@ -27,6 +27,8 @@ PHASES: dict[str, str] = {
     "trl": "around TRL's trainer, for the methods on pairs and rated answers (methods/preference.py)",
     "processes": "how many training processes there are, on how many hosts, and how they share the model (launch.py, "
                  "nodes.py, builder.trainer_for)",
+    "generation": "around GRPOTrainer's sampling of each step's answers, for the methods that learn from rewards "
+                  "(generation.install, from methods/grpo.py)",
 }
 
 
@@ -64,6 +66,10 @@ LEVERS: tuple[Lever, ...] = (
           plan=("offload_embeddings",)),
     Lever("padding-free preference batches", ("packing",), "trl"),
     Lever("data parallelism", ("num_gpus", "num_nodes", "node_join_timeout_s", "fsdp"), "processes"),
+    # no setting of their own: they change only how the same answers are computed, and step aside by themselves
+    # where the copy does not fit speed.gpu_memory_budget_gb or the model or device cannot take them
+    Lever("answers sampled on the dequantized base", (), "generation"),
+    Lever("decoding steps replayed as CUDA graphs", (), "generation"),
 )
 # SpeedArgs fields that steer no lever of their own
 NOT_LEVERS = {"gpu_memory_budget_gb": "the GPU memory the memory plan spends on the levers"}

@@ -54,7 +54,7 @@ def fuse_lora_layers(model: Any) -> int:
     _function()  # built here, outside any compiled region
     count = 0
     for module in model.modules():
-        if type(module) in _lora_types() and _base_kind(module.get_base_layer()) and not hasattr(module, PATCHED):
+        if type(module) in lora_types() and _base_kind(module.get_base_layer()) and not hasattr(module, PATCHED):
             # the function, not the method bound to this layer: torch.compile then sees the same function in every
             # layer (a per-layer object in the traced code makes it compile each layer anew, past its limit of 8)
             setattr(module, PATCHED, module.forward.__func__)
@@ -86,7 +86,8 @@ def _count_optimizer_steps() -> None:
 
 
 @functools.cache
-def _lora_types() -> tuple[type, ...]:
+def lora_types() -> tuple[type, ...]:
+    """peft's LoRA linear layer classes: over nn.Linear, and over bitsandbytes' Linear4bit where peft has it."""
     from peft.tuners.lora import Linear as LoraLinear
 
     types_: list[type] = [LoraLinear]

@@ -24,6 +24,7 @@ from tasks import rewards
 from tasks.config import SpeedArgs, TrainArgs
 from tasks.train_adapter import plan
 from tasks.train_adapter.builder import Recipe, Unit
+from tasks.train_adapter.levers import generation
 
 
 class Grpo(Unit):
@@ -78,6 +79,7 @@ class Grpo(Unit):
     def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> None:
         trainer.tokens = recipe.counter
         _checkpointing(trainer.model.get_base_model(), train)
+        generation.install(trainer, speed)  # the answers sampled on the dequantized base where it fits
         return None
 
     def metrics(self, trainer: Any, train: TrainArgs, batches: plan.MicroBatches | None) -> dict[str, Any]:

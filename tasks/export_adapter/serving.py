@@ -118,22 +118,25 @@ def switch(server: Server, name: str, root: Path, version: str, args: ServeArgs,
         server.point(name, current)
         raise ServingError(f"{name} answered otherwise than {versioned}, which it was pointed at, so it was pointed "
                            "back")
-    busy = retire(server, name, versioned, loaded, time.monotonic() + args.timeout_s)
-    return how + "".join(f"; {other} still answers requests after {args.timeout_s:g} s (serve.timeout_s) and stays "
-                         "loaded until the next switch" for other in busy)
+    return how + "".join(f"; {note}" for note in retire(server, name, versioned, loaded, args.timeout_s))
 
 
-def retire(server: Server, name: str, kept: str, loaded: dict[str, str], deadline: float) -> list[str]:
+def retire(server: Server, name: str, kept: str, loaded: dict[str, str], timeout_s: float) -> list[str]:
     """Unload the other NAME-vNNNN (the previous champion, versions a failed run left loaded), each once the requests
-    routed to it have finished or at `deadline`; those still answering then are left loaded and returned. (A NAME
-    loaded as an adapter of its own by an earlier release's unload + load switch stays: the alias hides it.)"""
-    busy = []
+    routed to it have finished, waiting at most timeout_s in all; a note for each left loaded. NAME serves `kept`
+    already, so nothing here fails the switch. (A NAME loaded as an adapter of its own by an earlier release's unload
+    + load switch stays: the alias hides it.)"""
+    deadline, notes = time.monotonic() + timeout_s, []
     for other in (n for n in loaded if n != kept and re.fullmatch(re.escape(name) + r"-v\d{4,}", n)):
-        if server.drained(other, deadline):
-            server.unload(other)
-        else:
-            busy.append(other)
-    return busy
+        try:
+            if server.drained(other, deadline):
+                server.unload(other)
+            else:
+                notes.append(f"{other} still answers requests after {timeout_s:g} s (serve.timeout_s) and stays "
+                             "loaded until the next switch")
+        except ServingError as exc:
+            notes.append(f"{other} stays loaded until the next switch ({exc})")
+    return notes
 
 
 def _version_of(path: str | None) -> str | None:

@@ -14,8 +14,9 @@
     qlora-pipeline serve [--config FILE.yaml | --preset NAME] [--cron "0 2 * * *"] [--timezone Europe/Berlin]
 
 User errors (bad config, missing files, bad data, unknown module names, a full disk) print one paragraph and
-exit with status 2; they are never retried and never print a traceback. SIGTERM ends a run or a sweep within
-seconds as Crashed, with its hooks, and exits 143.
+exit with status 2; they are never retried and never print a traceback. A run, sweep or promote that leaves
+serve.url's server not serving the champion exits with status 3 (the registry changed; the server did not). SIGTERM
+ends a run or a sweep within seconds as Crashed, with its hooks, and exits 143.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 USER_ERROR_EXIT = 2
+SERVING_NOT_UPDATED_EXIT = 3  # the run did its work, but serve.url's server still serves the previous champion
 EPHEMERAL_STARTUP_S = 120
 _SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
@@ -263,7 +265,19 @@ def _start_deployment(deployment: str, config: Any, follow: bool, host: str | No
         print(run.state.message)
     if not follow:
         return 0
-    return 0 if watch(run.id) == "COMPLETED" else 1
+    return 0 if watch(run.id) == "COMPLETED" else _watched_exit(run.id)
+
+
+def _watched_exit(flow_run_id: Any) -> int:
+    """A watched run that did not complete: 3 where it is tagged not-served (its serving failed, as `run` exits),
+    else 1."""
+    from prefect import get_client
+
+    from tasks.reporting.artifacts import NOT_SERVED
+
+    with get_client(sync_client=True) as client:
+        tags = client.read_flow_run(flow_run_id).tags
+    return SERVING_NOT_UPDATED_EXIT if NOT_SERVED in tags else 1
 
 
 def _parameters_too_large(config: Any) -> str | None:
@@ -359,6 +373,7 @@ def _run(config: Any, as_json: bool) -> int:
     from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.on_disk.folders import check_runs_dir
     from tasks.pool.leases import uses_server
+    from tasks.reporting.artifacts import NotServed
 
     quiet_user_errors()
     log_user_errors_once(printed_by_caller=True)  # _user_error prints it, last
@@ -370,6 +385,8 @@ def _run(config: Any, as_json: bool) -> int:
         check_runs_dir(config.runs_dir)  # before a server starts: the quickest way to say it
         with _server():
             summary = _start(qlora_pipeline, config)
+    except NotServed as exc:  # the flow run ended Failed for it, its summary whole
+        summary = exc.summary
     except UserError as exc:
         return _user_error(str(exc))
     except RuntimeError as exc:
@@ -386,7 +403,14 @@ def _run(config: Any, as_json: bool) -> int:
         print(json.dumps(summary))
     else:
         _print_summary(summary)
-    return 0
+    return _serving_exit(summary.get("serving"))
+
+
+def _serving_exit(serving: dict[str, Any] | None) -> int:
+    """3 when serve.url's server was not brought to serve the champion, else 0 (also without serve.url)."""
+    from tasks.reporting.artifacts import NOT_UPDATED
+
+    return SERVING_NOT_UPDATED_EXIT if serving and serving["status"] == NOT_UPDATED else 0
 
 
 def _warn_unnamed_host() -> None:
@@ -464,6 +488,7 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     from tasks.log import log_user_errors_once, quiet_user_errors
     from tasks.on_disk.folders import check_runs_dir
     from tasks.pool.leases import uses_server
+    from tasks.reporting.artifacts import NotServed
     from tasks.sweep.grid import expand, load_grid
 
     quiet_user_errors()
@@ -488,13 +513,14 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
             raise
         return _user_error(f"Prefect's temporary API server did not start in time ({exc}); start one server "
                            "(prefect server start) and point runs at it with PREFECT_API_URL")
-    summary = outcome if state.is_completed() else _sweep_record(plan.dir, state)
+    not_served = isinstance(outcome, NotServed)  # Failed, the sweep's summary whole
+    summary = outcome.summary if not_served else outcome if state.is_completed() else _sweep_record(plan.dir, state)
     if summary is not None and as_json:
         print(json.dumps(summary))
     elif summary is not None:
         _print_sweep(summary)
-    if state.is_completed():
-        return 0
+    if state.is_completed() or not_served:
+        return _serving_exit(summary.get("serving"))
     if isinstance(outcome, UserError):
         return _user_error(str(outcome))
     print(f"\nerror: {state.message}", file=sys.stderr)
@@ -526,6 +552,8 @@ def _print_sweep(summary: dict[str, Any]) -> None:
               f"{e['promotion_reason']})\nchampion now: {e['champion_version'] or 'none'}; this version: "
               f"{e['export_path']}")
         print(f"winner config: {summary['sweep_dir']}/winner.yaml")
+    if summary.get("serving"):
+        print(f"serving (vLLM at {summary['serving']['url']}): {summary['serving']['message']}")
     print(f"comparison: {summary['sweep_dir']}/comparison.png and sweep.json")
 
 
@@ -547,11 +575,13 @@ def _user_error(message: str) -> int:
 
 def _history(name: str | None, runs_dir: Path | None) -> int:
     """Print the registry-history table (the same as the run artifact) of one exports registry, after repairing its
-    damaged records (the registry's heal); a record nothing can restore is the one paragraph, after the table."""
+    damaged records (the registry's heal, which says each repair on stderr); a record nothing can restore is the one
+    paragraph, after the table."""
     from pydantic import ValidationError
 
     from tasks.config import ExportArgs, RunConfig
     from tasks.errors import UserError
+    from tasks.log import warnings_to_terminal
     from tasks.registry import store as registry
     from tasks.reporting.artifacts import history_markdown
 
@@ -566,8 +596,8 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
                            "--export-name (their export.name).")
     problem = ""
     try:
-        for repaired in registry.heal(root):
-            print(f"repaired: {repaired}", file=sys.stderr)
+        with warnings_to_terminal():  # each repair, said once by the registry itself
+            registry.heal(root)
     except UserError as exc:
         problem = str(exc)
     except OSError as exc:  # a registry this user may read but not write
@@ -579,9 +609,10 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
 
 
 def _promote(config: Any, name: str, version: str) -> int:
-    """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 1 when the
-    server was not updated (the registry was)."""
+    """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 3, as a run
+    does, when the server was not updated (the registry was)."""
     from tasks.export_adapter import serving
+    from tasks.log import warnings_to_terminal
     from tasks.registry import store as registry
 
     root = registry.registry_dir(config.runs_dir, name)
@@ -589,16 +620,18 @@ def _promote(config: Any, name: str, version: str) -> int:
         return _user_error(f"no exports registry {name!r} at {root}: give the runs_dir of its runs (--set "
                            "runs_dir=DIR or --config) and the registry's name (their export.name).")
     try:
-        record = registry.promote(root, version)
+        with warnings_to_terminal():  # each repair of the registry, said once by the registry itself
+            record = registry.promote(root, version)
     except ValueError as exc:
         return _user_error(f"{exc}; nothing was changed.")
     print(f"registry {name}: champion now {record['version']} ({root / record['version']})")
     if config.serve.url is None:
         print("serving: no serve.url given, so no server was updated")
         return 0
-    outcome = serving.sync(config.serve, name, config.runs_dir)
+    with warnings_to_terminal():
+        outcome = serving.sync(config.serve, name, config.runs_dir)
     print(f"serving (vLLM at {config.serve.url}): {outcome['message']}")
-    return 1 if outcome["status"] == serving.NOT_UPDATED else 0
+    return _serving_exit(outcome)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -56,4 +56,4 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     export_dir = export_adapter(config.export, runs, data_dir, model_dir, adapter_dir, eval_dir, judged)
     serving = serve_champion(config.serve, config.export.name, runs)  # serve.url's vLLM: the champion, checked
     summary = record_run(config, [data_dir, model_dir, adapter_dir, eval_dir, export_dir], serving)
-    return verdict(summary, summary["metrics"])  # the registry's verdict as the run's final state message and tag
+    return verdict(summary, summary["metrics"])  # the final state: the verdict (and serving, if it failed), its tags

@@ -689,18 +689,21 @@ class ServeArgs(_Section):
     """The running vLLM server the champion is loaded into (docs/serving.md). Part of no stage's cache key."""
 
     url: str | None = Field(
-        None, description="Root URL of a running vLLM server (http://host:8000) started with --enable-lora and "
-        f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; after each run its adapter_name serves the registry's champion, "
+        None, description="Root URL of a running vLLM server (http://host:8000) started as docs/serving.md says "
+        "(--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, the model_aliases middleware); after each run its "
+        "adapter_name serves the registry's champion, "
         f"checked against the champion's own evaluation first. None: no server is updated. Its API key comes from "
         f"the {SERVE_API_KEY_ENV} environment variable, never from the config.",
         json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )
     adapter_name: str | None = Field(
         None, max_length=100, description="The model name clients ask the server for; None = export.name. Each "
-        "version is also loaded as <adapter_name>-vNNNN while it is checked and served.",
+        "version is loaded as <adapter_name>-vNNNN, and adapter_name is switched to the champion's with no failed "
+        "request.",
     )
     timeout_s: float = Field(120.0, gt=0, description="Seconds to wait for one answer of the server (a load, a "
-                             "greedy answer).")
+                             "greedy answer), and at most for the requests still answered by the previous champion "
+                             "before it is unloaded.")
     tolerance: float = Field(
         0.5, ge=0, description="Where the served answer parts from the evaluated one, the server's two most likely "
         "tokens must be within this many nats (log-probability), a choice that the base's precision can flip: the "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tasks.errors import UserError
 
@@ -19,6 +21,24 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except (ImportError, MissingContextError):
         return logging.getLogger("qlora_pipeline")
+
+
+@contextmanager
+def warnings_to_terminal() -> Iterator[None]:
+    """Outside a run (`qlora-pipeline history`, `promote`): the pipeline's warnings, the registry's repairs among them,
+    printed to stderr as plain lines for the block, once (not again through whatever handlers the root logger has)."""
+    import sys
+
+    log = logging.getLogger("qlora_pipeline")
+    handler, propagate = logging.StreamHandler(sys.stderr), log.propagate
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def current_run_attempt() -> str | None:

@@ -1,10 +1,11 @@
-"""Shared fixtures and helpers: an isolated Prefect test server, the first two stages on the real tiny model,
-small configs, and the CLI as a subprocess."""
+"""Shared fixtures and helpers: an isolated Prefect test server, a vLLM server started by docs/serving.md's own
+command, the first two stages on the real tiny model, small configs, and the CLI as a subprocess."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,66 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
         ensure_gpu_limit()  # train_adapter takes it strictly, as on a set-up server
         yield storage
+
+
+VLLM_PYTHON = Path(os.environ.get("QLORA_VLLM_PYTHON", PROJECT_ROOT / ".venv-vllm" / "bin" / "python"))
+VLLM_INSTALL = "docs/serving.md's install command (section vLLM) in this checkout"
+VLLM_STARTUP_S = 400  # a loaded 2-core machine: about a minute alone, several when other tests run beside it
+VLLM_API_KEY = "test-key-not-a-secret"
+# docs/serving.md's command that starts a server the pipeline can update, marked for the tests
+_DOCUMENTED_SERVER = re.compile(r"<!-- serving-test: vllm-server -->\n```bash\n(.*?)\n```", re.S)
+
+
+def documented_vllm_command(port: int) -> str:
+    """The script docs/serving.md gives to start vLLM, as written but for its port (and QLORA_VLLM_PYTHON if set)."""
+    found = _DOCUMENTED_SERVER.findall((PROJECT_ROOT / "docs" / "serving.md").read_text())
+    assert len(found) == 1 and "--port 8000" in found[0], "docs/serving.md marks one vLLM command on port 8000"
+    return found[0].replace("--port 8000", f"--port {port}").replace(".venv-vllm/bin/python", str(VLLM_PYTHON))
+
+
+def require_vllm() -> None:
+    """Skip (fail in CI) where vLLM's environment is not installed."""
+    if not VLLM_PYTHON.is_file():
+        missing = f"vLLM's CPU build is not installed at {VLLM_PYTHON}: run {VLLM_INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+def wait_for_vllm(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Return once the server at `url` answers /health; fail with its log if it exits or takes too long."""
+    import urllib.request
+
+    deadline = time.time() + VLLM_STARTUP_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    stop_group(proc)
+    pytest.fail(f"vLLM did not answer /health within {VLLM_STARTUP_S} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server for the session, started by docs/serving.md's command as a user runs it (the embedded base
+    model alone; runs load their champions into it), with an API key (VLLM_API_KEY, which vLLM reads); its URL.
+    Tests isolate themselves by their adapter names. Stopped (its process group) at the end."""
+    require_vllm()
+    port, log = free_port(), tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {**os.environ, "VLLM_API_KEY": VLLM_API_KEY, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(["bash", "-e", "-c", documented_vllm_command(port)], cwd=PROJECT_ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_vllm(proc, url, log)
+        yield url
+    finally:
+        stop_group(proc)
 
 
 @pytest.fixture(scope="session")

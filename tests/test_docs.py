@@ -108,3 +108,16 @@ def test_the_readme_cpu_commands_run_as_written(tmp_path: Path) -> None:
             failed.append(f"README block (exit {done.returncode}):\n{body}\n--- its output, the end:\n"
                           f"{log.read_text()[-2500:]}")
     assert not failed, "\n\n".join(failed)
+
+
+def test_the_serving_page_marks_the_vllm_command_the_tests_start() -> None:
+    """docs/serving.md's server command is the one tests/conftest.py's vllm_server runs as written (its port aside):
+    vLLM's own environment, a KV cache that fits a small machine, the base model alone, the stable-name middleware."""
+    from tests.conftest import documented_vllm_command
+
+    command = documented_vllm_command(8000)
+    for part in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True", "VLLM_CPU_KVCACHE_SPACE=", "-m vllm.entrypoints.openai",
+                 "--model data/tiny-llama", "--enable-lora", "--middleware model_aliases.ModelAliases",
+                 "PYTHONPATH=$PWD/tasks/export_adapter/vllm_server"):
+        assert part in command, part
+    assert "--lora-modules" not in command  # it starts before any run: the first run loads the champion

@@ -148,7 +148,7 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
 
     folder = exported["folder"]
     ggufs = folder / "gguf"
-    files = ["Modelfile", "Modelfile.adapter", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
+    files = ["Modelfile", "Modelfile.adapter", "base-f16.gguf", "lora-f32.gguf", "model-f16.gguf", "model-q8_0.gguf"]
     assert sorted(p.name for p in ggufs.iterdir()) == files
     assert {f"gguf/{name}" for name in files} <= set(read_manifest(folder).outputs)
     diffs = {kind: _check_gguf_logits(folder / "merged", ggufs, f"model-{kind}.gguf", TOLERANCE[kind])
@@ -159,14 +159,15 @@ def test_llama_gguf_files_match_the_merged_model(exported: dict[str, Any]) -> No
     assert (ggufs / "Modelfile").read_text() == 'FROM ./model-f16.gguf\nPARAMETER stop "</s>"\n'
     # Ollama's adapter form: its instructions, without the comment lines
     adapter_form = [line for line in (ggufs / "Modelfile.adapter").read_text().splitlines() if not line.startswith("#")]
-    assert adapter_form == ["FROM ./base.gguf", "ADAPTER ./lora-f32.gguf", 'PARAMETER stop "</s>"']
+    assert adapter_form == ["FROM ./base-f16.gguf", "ADAPTER ./lora-f32.gguf", 'PARAMETER stop "</s>"']
     # the published version carries the files, and both cards list them
     version = exported["version"]
     assert sorted(p.name for p in (version / "gguf").iterdir()) == files
     for card in (folder / "README.md", version / "README.md"):
         assert "GGUF files for llama.cpp and Ollama in `gguf/`: `model-f16.gguf`, `model-q8_0.gguf`" in card.read_text()
-        assert "The adapter as a GGUF LoRA in `gguf/`: `lora-f32.gguf` (`llama-server -m BASE.gguf --lora " \
-               "gguf/lora-f32.gguf`" in card.read_text()
+        assert "The adapter as a GGUF LoRA in `gguf/`: `lora-f32.gguf`, on `base-f16.gguf`, the base as the " \
+               "adapter was trained against it (`llama-server -m gguf/base-f16.gguf --lora gguf/lora-f32.gguf`; " \
+               "Ollama: `ollama create NAME -f gguf/Modelfile.adapter`)" in " ".join(card.read_text().split())
 
 
 def _dequantized_base(model_dir: Path, out: Path) -> Any:
@@ -185,26 +186,28 @@ def _dequantized_base(model_dir: Path, out: Path) -> Any:
     return base
 
 
-def test_llama_cpp_reads_the_merged_ggufs_and_the_lora_on_the_base(exported: dict[str, Any], tmp_path: Path) -> None:
+def test_llama_cpp_reads_the_merged_ggufs_and_the_adapter_form_as_exported(exported: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
     """llama.cpp itself: the merged f16 and q8_0 GGUFs give transformers' greedy tokens from the merged model; the
-    base GGUF with --lora lora-f32.gguf gives peft's base + adapter greedy tokens."""
+    files Modelfile.adapter names (FROM the exported base GGUF, ADAPTER the LoRA), as they are in the published
+    version, give peft's base + adapter greedy tokens: Ollama's adapter form is usable straight from the export."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tasks.export_adapter.gguf import write_gguf
 
     version, merged = exported["version"], exported["folder"] / "merged"
     tokenizer = AutoTokenizer.from_pretrained(merged)
     want_merged = hf_greedy(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), tokenizer)
     base = _dequantized_base(Path(exported["model"]), tmp_path / "base")
-    write_gguf(tmp_path / "base", tmp_path / "base" / "gguf", ["f32"])
     want_lora = hf_greedy(PeftModel.from_pretrained(base, version), tokenizer)
-    f16, q8_0, lora = llama_cpp([{"model": str(version / "gguf" / "model-f16.gguf")},
-                                 {"model": str(version / "gguf" / "model-q8_0.gguf")},
-                                 {"model": str(tmp_path / "base" / "gguf" / "model-f32.gguf"),
-                                  "lora": str(version / "gguf" / "lora-f32.gguf")}])
-    for got, want, kind in ((f16, want_merged, "f16"), (q8_0, want_merged, "q8_0"), (lora, want_lora, "f32")):
+    lines = (version / "gguf" / "Modelfile.adapter").read_text().splitlines()
+    named = {word: version / "gguf" / line.split()[1] for line in lines for word in ("FROM", "ADAPTER")
+             if line.startswith(f"{word} ")}
+    assert named["FROM"].is_file() and named["ADAPTER"].is_file(), named
+    f16, q8_0, adapter_form = llama_cpp([{"model": str(version / "gguf" / "model-f16.gguf")},
+                                         {"model": str(version / "gguf" / "model-q8_0.gguf")},
+                                         {"model": str(named["FROM"]), "lora": str(named["ADAPTER"])}])
+    for got, want, kind in ((f16, want_merged, "f16"), (q8_0, want_merged, "q8_0"), (adapter_form, want_lora, "f16")):
         assert_same_greedy(got, want, kind)
 
 
@@ -247,7 +250,7 @@ def test_lora_gguf_on_the_base_gguf_gives_peft_greedy_tokens(family: str, tmp_pa
     tuned.save_pretrained(tmp_path / "adapter")
     write_gguf(base, tmp_path / "gguf", ["f32"])
     assert write_lora_gguf(tmp_path / "adapter", base / "config.json", tmp_path / "gguf", ["f32"]) == \
-        ["gguf/lora-f32.gguf", "gguf/Modelfile.adapter"]
+        ["gguf/lora-f32.gguf"]
     reader = gguf.GGUFReader(tmp_path / "gguf" / "lora-f32.gguf")
     fields = {key: reader.get_field(key).contents() for key in ("general.type", "general.architecture",
                                                                  "adapter.type", "adapter.lora.alpha")}
@@ -387,8 +390,8 @@ def test_a_dpo_champion_exports_the_same_gguf_files(stages: dict[str, Any], tmp_
     export_adapter.fn(config.export, tmp_path, data, model, adapter, evals)
     version = tmp_path.resolve() / "exports" / "dpo" / "v0001"
     assert json.loads((version.parent / "champion.json").read_text())["version"] == "v0001"
-    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "Modelfile.adapter", "lora-f32.gguf",
-                                                                    "model-q8_0.gguf"]
+    assert sorted(p.name for p in (version / "gguf").iterdir()) == ["Modelfile", "Modelfile.adapter", "base-q8_0.gguf",
+                                                                    "lora-f32.gguf", "model-q8_0.gguf"]
     assert "`lora-f32.gguf`" in (version / "README.md").read_text()
     _check_gguf_logits(version / "merged", version / "gguf", "model-q8_0.gguf", TOLERANCE["q8_0"])
     tokenizer = AutoTokenizer.from_pretrained(version / "merged")

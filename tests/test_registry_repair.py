@@ -109,6 +109,7 @@ def test_a_damaged_version_record_is_restored_from_its_stage_folder(published: d
     code, out, err = _history(runs, capsys)
     assert code == 0, err
     assert f"repaired: restored v0002 from {runs / 'export_adapter'}" in err and "(its version.json " in err
+    assert err.count("repaired: restored v0002") == 1, err  # said once, by the registry
     assert "| v0001 |" in out and "| v0002 |" in out and "Traceback" not in err
     assert _tree(root) == whole  # the record back as it was published, nothing else changed, nothing left over
     assert registry.champion(root)["version"] == "v0002"
@@ -158,6 +159,24 @@ def test_a_record_nothing_can_restore_is_exit_2_naming_the_file_and_the_fix(publ
     shutil.move(root / "v0001", tmp_path / "set-aside")  # the fix the paragraph gives
     code, out, err = _history(runs, capsys)
     assert code == 0 and "| v0002 |" in out
+
+
+def test_promote_says_each_repair_once(published: dict[str, Any], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`qlora-pipeline promote` repairs what it reads, as a run and `history` do, and says each repair once: a damaged
+    record of another version (heal), and the promoted version's damaged adapter file (restored before it is made
+    champion)."""
+    runs, root = _copy(published, tmp_path)
+    (root / "v0002" / registry.VERSION_FILE).write_bytes(b"")
+    (root / "v0001" / "adapter_model.safetensors").write_bytes(b"not the adapter")
+    code = main(["promote", "adapter", "v0001", "--set", f"runs_dir={runs}"])
+    out, err = capsys.readouterr()
+    err = " ".join(err.split())
+    assert code == 0 and "champion now v0001" in out, (out, err)
+    assert err.count("exports registry adapter: repaired: restored v0002 from") == 1, err
+    assert err.count("exports registry adapter: repaired: restored v0001 from") == 1, err
+    assert "adapter_model.safetensors is damaged" in err and "Traceback" not in err
+    assert registry.damage(root, registry.version_record(root, "v0001")) == ""
 
 
 def test_history_in_a_process_never_prints_a_traceback(published: dict[str, Any], tmp_path: Path) -> None:

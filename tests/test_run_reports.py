@@ -209,3 +209,34 @@ def test_failure_alert_gives_the_cards_advice(message: str | None, retry_helps: 
     card = _next_step(message or "no message", "0b6f", "`qlora-pipeline start embedded-default --set x=<new value>`")
     assert ("press Retry" in body) == retry_helps == ("press **Retry**" in card), body
     assert "prefect flow-run retry 0b6f" in body if retry_helps else "Retry would run the same parameters" in body
+
+
+@pytest.mark.parametrize(("why", "fix_first"), [
+    ("the vLLM server at http://127.0.0.1:8000 cannot be reached (ConnectError); is it running?", False),
+    ("the vLLM server at http://127.0.0.1:8000 did not answer /v1/models within 120.0 s (serve.timeout_s)", False),
+    ("the vLLM server at http://127.0.0.1:8000 refused the API key: set VLLM_API_KEY to the key it was started with",
+     True),
+])
+def test_a_run_whose_champion_is_not_served_gets_its_own_advice(why: str, fix_first: bool) -> None:
+    """A run that published but left serve.url's server as it was (Failed, tag not-served): the alert and the card
+    say so, and advise Retry at once where the server was away, only after fixing it where it refused."""
+    import yaml
+    from jinja2 import ChainableUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from deployments.setup import HERE
+    from tasks.reporting.artifacts import _next_step, failure_advice
+
+    message = f"nightly v0004 promoted: tuned eval loss 5.1 beats the champion's; serving not updated: {why}; " \
+              "nightly still serves v0003"
+    (automation,) = yaml.safe_load((HERE / "automations.yaml").read_text())["automations"]
+    environment = ImmutableSandboxedEnvironment(undefined=ChainableUndefined)
+    environment.filters["ui_url"] = lambda run: f"http://127.0.0.1:4200/runs/flow-run/{run['id']}"
+    run = {"name": "calm-otter", "id": "0b6f", "state": {"name": "Failed", "message": message}}
+    body = " ".join(environment.from_string(automation["actions"][0]["body"]).render(flow_run=run).split())
+    card = " ".join(_next_step(message, "0b6f", "`qlora-pipeline run`").split())
+    assert failure_advice(message) == ("serving-fix" if fix_first else "serving")
+    assert "Not served (tag not-served): the version is published" in body and "press Retry" in body
+    assert "The version is published" in card and "press **Retry**" in card and "Only serving runs again" in card
+    assert ("fix the server first" in body) == ("Fix the server first" in card) == fix_first, (body, card)
+    assert "qlora-pipeline promote NAME VERSION --set serve.url=URL" in body and "qlora-pipeline promote" in card

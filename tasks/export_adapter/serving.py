@@ -1,56 +1,57 @@
 """The champion in a running vLLM server: loaded, checked against its own evaluation, then served under one name.
 
-serve.url names a vLLM server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; clients ask it
-for serve.adapter_name (default export.name), NAME below. After each run, and after `qlora-pipeline promote`,
+serve.url names a vLLM server started as docs/serving.md says: --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+and the model_aliases middleware (vllm_server/model_aliases.py), which keeps stable names. Clients ask it for
+serve.adapter_name (default export.name), NAME below. After each run, and after `qlora-pipeline promote`,
 `serve_champion` makes NAME answer as the registry's champion:
 
 1. the champion's version folder is loaded as NAME-vNNNN (vLLM's /v1/load_lora_adapter);
 2. NAME-vNNNN answers one held-out prompt of the champion's own evaluation greedily, and the answer is compared with
    the tuned answer evaluate_adapter recorded for it (`agreement`);
-3. only then does NAME change: it is unloaded and loaded again from the version folder, and must answer exactly as
-   NAME-vNNNN did;
-4. the previous champion's NAME-vNNNN is unloaded.
+3. only then is NAME pointed at NAME-vNNNN (the middleware's alias: one assignment in the server), and it must
+   answer exactly as NAME-vNNNN did, else it is pointed back;
+4. the previous NAME-vNNNN is unloaded once the requests routed to it have finished (at most serve.timeout_s; one
+   still running then keeps it loaded until the next switch).
 
-Why unload + load and not vLLM's in-place reload (load_inplace=true, which leaves no moment without NAME): vLLM 0.32
-keeps that flag on the adapter it serves, so every engine step reads the adapter folder from disk again, and the
-engine dies when that folder is gone (seen on vLLM's CPU build: the server process exits). Unload + load leaves NAME
-unknown for the time of one adapter load, after a load of the same folder has succeeded (a request that lands then
-gets a 404). The load path is the version folder: the server must see runs_dir at the same path (a shared disk).
+So a request for NAME never meets a moment without NAME, and runs to its end on the version it was routed to. Not
+vLLM's unload + load of NAME (NAME unknown while the load runs: 404s, also for requests already past vLLM's name
+check), nor its in-place reload (load_inplace: vLLM 0.32 keeps the flag on the served adapter, so every engine step
+re-reads its folder; an answer in flight switches weights mid-answer when new requests join its batch; the engine
+dies when the folder is gone): docs/serving.md has the measurements. The load path is the version folder: the
+server must see runs_dir at the same path (a shared disk).
 
-Any failure (the server down, a refused API key, a failed load, an answer that does not match) leaves the server as
-it was, NAME serving the previous champion, and is reported: the run summary and a `serving` artifact say "serving
-not updated" and why; the version is published all the same. A NAME that already serves the champion's folder is
-left alone, so a run that promoted nothing changes nothing, and a restarted server gets the champion back on the
-next run. The API key comes from the environment (VLLM_API_KEY, as vLLM's server reads it), never from a file.
+Any failure (the server down, a refused API key, a failed load, an answer that does not match) leaves NAME serving
+the previous champion, and is reported: the run summary and a `serving` artifact say "serving not updated" and why,
+and the flow run ends Failed with that message and the tag not-served (the version is published all the same). A NAME
+that already serves the champion is left alone, so a run that promoted nothing changes nothing, and a restarted
+server gets the champion back on the next run. The API key comes from the environment (VLLM_API_KEY, as vLLM's server
+reads it), never from a file.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.config import SERVE_API_KEY_ENV, ServeArgs
+from tasks.config import ServeArgs
+from tasks.export_adapter.vllm_api import Server, ServingError
 from tasks.log import logger
 from tasks.on_disk.parquet_dataset import split_prompt
 from tasks.registry import store as registry
 from tasks.reporting import artifacts
 
-NOT_UPDATED = "not updated"
+NOT_UPDATED = artifacts.NOT_UPDATED  # the status the run's final state and exit status are told by
 
 
 def normalize(text: str) -> str:
     """As evaluate_adapter's exact match compares answers: whitespace runs as one space, none at the ends."""
     return " ".join(text.split())
-
-
-class ServingError(Exception):
-    """The server could not be brought to serve the champion; the message says why and what to do."""
 
 
 def serve_champion(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any] | None:
@@ -78,15 +79,16 @@ def sync(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
     if now is None:
         return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: registry {export_name} has no "
                 f"champion at {root}"}
-    server, served = Server(str(args.url), args.timeout_s), None
+    server, loaded, versioned = Server(str(args.url), args.timeout_s), None, f"{name}-{now}"
     try:
-        served = server.adapters()
-        outcome["previous"] = _version_of(served.get(name))
-        if served.get(name) == str(root / now):
+        current = server.aliases()[0].get(name)
+        loaded = server.adapters()
+        outcome["previous"] = _version_of(loaded.get(current or name))  # or NAME loaded by an earlier release
+        if current == versioned and loaded.get(versioned) == str(root / now):
             return {**outcome, "status": "unchanged", "message": f"{name} already serves {now}"}
-        checked = switch(server, name, root, now, args.tolerance, served)
+        checked = switch(server, name, root, now, args, loaded, current)
     except ServingError as exc:
-        kept = ("whatever the server serves is unchanged" if served is None else
+        kept = ("whatever the server serves is unchanged" if loaded is None else
                 f"{name} still serves {outcome['previous']}" if outcome["previous"] else f"{name} is not served yet")
         return {**outcome, "status": NOT_UPDATED, "message": f"serving not updated: {exc}; {kept}"}
     finally:
@@ -94,39 +96,47 @@ def sync(args: ServeArgs, export_name: str, runs_dir: Path) -> dict[str, Any]:
     return {**outcome, "status": "updated", "message": f"{name} now serves {now} ({checked})"}
 
 
-def switch(server: Server, name: str, root: Path, version: str, tolerance: float, served: dict[str, str]) -> str:
-    """Load `version` as NAME-vNNNN, check it, point NAME at it, unload the previous NAME-v*; how it was checked."""
+def switch(server: Server, name: str, root: Path, version: str, args: ServeArgs, loaded: dict[str, str],
+           current: str | None) -> str:
+    """Load `version` as NAME-vNNNN, check it, point NAME at it, retire what NAME served before (`current`: the
+    versioned name NAME points at now); how it was checked."""
     path, versioned = str(root / version), f"{name}-{version}"
     prompt, expected, max_tokens, decode = check_material(root, version)
-    if served.get(versioned) not in (None, path):  # loaded from another folder (a moved runs_dir)
+    if loaded.get(versioned) not in (None, path):  # loaded from another folder (a moved runs_dir)
         server.unload(versioned)
-    if served.get(versioned) != path:
+    if loaded.get(versioned) != path:
         server.load(versioned, path)
     answer = server.answer(versioned, prompt, max_tokens)
-    agrees, how = agreement(answer, expected, decode, tolerance)
+    agrees, how = agreement(answer, expected, decode, args.tolerance)
     if not agrees:
-        server.unload(versioned)
+        if current != versioned:  # what NAME serves stays loaded
+            server.unload(versioned)
         raise ServingError(f"{versioned} does not answer as {version}'s evaluation did: {how}. Is the server's base "
                            f"model the one {version} was trained on (its adapter_config.json names it)?")
-    previous = served.get(name)
-    if previous is not None:
-        server.unload(name)
-    try:
-        server.load(name, path)
-    except ServingError as exc:
-        if previous is not None:  # put the old champion back before saying so
-            server.load(name, previous)
-        raise ServingError(f"{name} could not be pointed at {version} ({exc}); it serves {previous} again") from None
+    server.point(name, versioned)  # the switch: a request arriving from now on is routed to versioned
     if server.answer(name, prompt, max_tokens)["ids"] != answer["ids"]:
-        server.unload(name)
-        if previous is not None:
-            server.load(name, previous)
-        raise ServingError(f"{name} answered otherwise than {versioned} although both are {path}, so it was put "
+        server.point(name, current)
+        raise ServingError(f"{name} answered otherwise than {versioned}, which it was pointed at, so it was pointed "
                            "back")
-    for other in served:  # the previous champion, and versions a failed run left loaded
-        if other != versioned and re.fullmatch(re.escape(name) + r"-v\d{4,}", other):
-            server.unload(other)
-    return how
+    return how + "".join(f"; {note}" for note in retire(server, name, versioned, loaded, args.timeout_s))
+
+
+def retire(server: Server, name: str, kept: str, loaded: dict[str, str], timeout_s: float) -> list[str]:
+    """Unload the other NAME-vNNNN (the previous champion, versions a failed run left loaded), each once the requests
+    routed to it have finished, waiting at most timeout_s in all; a note for each left loaded. NAME serves `kept`
+    already, so nothing here fails the switch. (A NAME loaded as an adapter of its own by an earlier release's unload
+    + load switch stays: the alias hides it.)"""
+    deadline, notes = time.monotonic() + timeout_s, []
+    for other in (n for n in loaded if n != kept and re.fullmatch(re.escape(name) + r"-v\d{4,}", n)):
+        try:
+            if server.drained(other, deadline):
+                server.unload(other)
+            else:
+                notes.append(f"{other} still answers requests after {timeout_s:g} s (serve.timeout_s) and stays "
+                             "loaded until the next switch")
+        except ServingError as exc:
+            notes.append(f"{other} stays loaded until the next switch ({exc})")
+    return notes
 
 
 def _version_of(path: str | None) -> str | None:
@@ -213,85 +223,3 @@ def agreement(answer: dict[str, Any], expected: str, decode: Any, tolerance: flo
     return False, (f"it answered {decode(ids, skip_special_tokens=True)!r} where the evaluation answered "
                    f"{expected!r}; they part at token {parted}, where the evaluated continuation is not within "
                    f"serve.tolerance={tolerance} nats of the server's choice")
-
-
-class Server:
-    """The few calls of vLLM's OpenAI-compatible server that serving needs, each one bounded in time."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        import httpx
-
-        key = os.environ.get(SERVE_API_KEY_ENV)
-        self.url = url
-        self.client = httpx.Client(base_url=url, timeout=timeout,
-                                   headers={"Authorization": f"Bearer {key}"} if key else {})
-
-    def close(self) -> None:
-        self.client.close()
-
-    def adapters(self) -> dict[str, str]:
-        """{served LoRA name: its folder} (the base model, which has no parent, left out)."""
-        models = _parsed(self._call("GET", "/v1/models"), lambda body: body["data"])
-        return {m["id"]: m["root"] for m in models if m.get("parent")}
-
-    def load(self, name: str, path: str) -> None:
-        self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-
-    def unload(self, name: str) -> None:
-        self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
-
-    def answer(self, name: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        """The greedy answer to `prompt` (token ids): its ids, the two likeliest tokens' log-probabilities at each
-        step, and why it ended (stop: end of sequence; length: max_tokens)."""
-        body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
-                "return_tokens_as_token_ids": True}
-        def read(body: dict[str, Any]) -> dict[str, Any]:
-            choice = body["choices"][0]
-            return {"ids": [_token(t) for t in choice["logprobs"]["tokens"]], "finish": choice["finish_reason"],
-                    "top": [{_token(t): p for t, p in top.items()} for top in choice["logprobs"]["top_logprobs"]]}
-
-        return _parsed(self._call("POST", "/v1/completions", body), read)
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        import httpx
-
-        try:
-            response = self.client.request(method, path, json=body)
-        except httpx.TimeoutException:
-            raise ServingError(f"the vLLM server at {self.url} did not answer {path} within "
-                               f"{self.client.timeout.read} s (serve.timeout_s)") from None
-        except httpx.HTTPError as exc:
-            raise ServingError(f"the vLLM server at {self.url} cannot be reached ({exc}); is it running?") from None
-        if response.status_code == 401:
-            raise ServingError(f"the vLLM server at {self.url} refused the API key: set {SERVE_API_KEY_ENV} to the "
-                               "key it was started with (--api-key or its own VLLM_API_KEY)")
-        # FastAPI's own 404 for a route that is not there (vLLM's is {"error": ...})
-        if response.status_code == 404 and "lora_adapter" in path and '"detail":"Not Found"' in response.text:
-            raise ServingError(f"the vLLM server at {self.url} does not load adapters at run time: start it with "
-                               "--enable-lora and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-        if response.status_code != 200:
-            raise ServingError(f"the vLLM server at {self.url} answered {method} {path} with {response.status_code}: "
-                               f"{_error_text(response)}")
-        return response
-
-
-def _parsed(response: Any, read: Any) -> Any:
-    """read(the response's JSON); a body of another shape is a ServingError (not vLLM's OpenAI-compatible server?)."""
-    try:
-        return read(response.json())
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise ServingError(f"{response.request.url} answered {response.text[:200]!r}, not what vLLM's "
-                           "OpenAI-compatible server answers: is serve.url a vLLM server?") from None
-
-
-def _token(text: str) -> int:
-    """A token id as vLLM writes it with return_tokens_as_token_ids ("token_id:123")."""
-    return int(text.removeprefix("token_id:"))
-
-
-def _error_text(response: Any) -> str:
-    """vLLM's error message ({"error": {"message": ...}}), else the body's start."""
-    try:
-        return str(response.json()["error"]["message"])[:500]
-    except (ValueError, KeyError, TypeError):
-        return response.text[:500]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from prefect import task
 from tasks import methods
 from tasks.config import ExportArgs, RunConfig
 from tasks.errors import UserError
-from tasks.export_adapter.gguf import write_gguf, write_lora_gguf
+from tasks.export_adapter.gguf import write_base_gguf, write_gguf, write_lora_gguf
 from tasks.export_adapter.vllm import point_at_base_model
 from tasks.log import logger
 from tasks.models.sources import TOKENIZER_FILES
@@ -42,9 +43,12 @@ from tasks.on_disk.folders import StageSpec, open_stage
 from tasks.on_disk.manifest import ChampionScores, Manifest, read_manifest
 from tasks.registry import store as registry
 
-# 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF files (export.gguf); 3: GPT-2 merged models keep their
-# Conv1D layers; 2: registry, merged model, generation metrics
-VERSION = "5"
+# 6: the base model's GGUF that gguf/Modelfile.adapter names; 5: the GGUF LoRA adapter (gguf/lora-f32.gguf); 4: GGUF
+# files (export.gguf); 3: GPT-2 merged models keep their Conv1D layers; 2: registry, merged model, generation metrics
+VERSION = "6"
+# the key's version of an export without GGUF files: 6 changed only what export.gguf writes, so those exports keep
+# the key they had (a runs_dir of before stays Cached)
+_VERSION_WITHOUT_GGUF = "5"
 
 METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact match", "exact_match"),
                ("ROUGE-L", "rouge_l")]
@@ -54,7 +58,7 @@ def spec(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapte
          eval_dir: str, judged: dict[str, Any] | None = None) -> StageSpec:
     """Cache-key inputs: export settings and the four upstream stages (not `judged`, the champion's scores: the
     champion changes as runs publish, while this export does not)."""
-    return StageSpec(stage="export_adapter", version=VERSION, runs_dir=runs_dir,
+    return StageSpec(stage="export_adapter", version=VERSION if args.gguf else _VERSION_WITHOUT_GGUF, runs_dir=runs_dir,
                      params={"export": registry.settings(args.model_dump())},
                      upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir),
                                "train_adapter": Path(adapter_dir), "evaluate_adapter": Path(eval_dir)})
@@ -86,9 +90,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         if args.merge:
             outputs += merge(Path(model_dir), Path(adapter_dir) / "adapter", stage.dir / "merged", args,
                              manifests["train_adapter"].method().head)
-        ggufs = write_gguf(stage.dir / "merged", stage.dir / "gguf", args.gguf) if args.merge else []
-        ggufs += write_lora_gguf(stage.dir, stage.dir / "merged" / "config.json", stage.dir / "gguf",
-                                 args.gguf) if args.merge else []
+        ggufs = _ggufs(Path(model_dir), stage.dir, args) if args.merge else []
         outputs += ggufs
         card = partial(model_card, args.name, manifests, config, ggufs=ggufs)
         (stage.dir / "README.md").write_text(card(stage.dir, None))
@@ -136,6 +138,38 @@ def _stage_metrics(root: Path, name: str, record: dict[str, Any]) -> dict[str, A
 
 def _fmt(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def _ggufs(model_dir: Path, folder: Path, args: ExportArgs) -> list[str]:
+    """export.gguf's files in folder/gguf: the merged model's, the LoRA's and, with the LoRA, the base model's that
+    Modelfile.adapter names (the adapter's Ollama form, usable as exported)."""
+    merged, out = folder / "merged", folder / "gguf"
+    ggufs = write_gguf(merged, out, args.gguf)
+    lora = write_lora_gguf(folder, merged / "config.json", out, args.gguf)
+    if lora:
+        lora += write_base_gguf(_dequantized_base(model_dir, merged, args), merged, out, args.gguf)
+    return ggufs + lora
+
+
+def _dequantized_base(model_dir: Path, merged: Path, args: ExportArgs) -> Iterator[tuple[str, Any]]:
+    """The 4-bit base dequantized in export.merged_dtype, as merge() starts from it: merged/'s tensors by name, as
+    float32 numpy arrays, one at a time (merged/ leaves out tied copies, so does this)."""
+    import torch
+    from safetensors import safe_open
+
+    from tasks.models.loading import load_quantized
+    from tasks.models.memory import release_device_memory
+
+    names: list[str] = []
+    for file in sorted(merged.glob("*.safetensors")):  # the order gguf._tensors reads merged/ in
+        with safe_open(file, framework="pt") as f:
+            names += f.keys()
+    base = load_quantized(model_dir).dequantize().to(getattr(torch, args.merged_dtype))
+    weights = base.state_dict()
+    for name in names:
+        yield name, weights[name].float().cpu().numpy()
+    del base, weights
+    release_device_memory()
 
 
 def merge(model_dir: Path, adapter: Path, out: Path, args: ExportArgs, head: str = "causal_lm") -> list[str]:
@@ -256,12 +290,14 @@ def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any]
               f"`{loader}.from_pretrained(\"{folder / 'merged'}\"{labels})`, no peft needed.\n"
               if config["export"]["merge"] else "")
     note = f"\n{method.card_note}" if method.card_note else ""
-    loras = [Path(g).name for g in ggufs or [] if Path(g).name.startswith("lora-")]
-    ggufs = [Path(g).name for g in ggufs or [] if g.endswith(".gguf") and Path(g).name not in loras]
-    merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in ggufs)}, and "
-               "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if ggufs else "")
-    merged += (f"\nThe adapter as a GGUF LoRA in `gguf/`: `{loras[0]}` (`llama-server -m BASE.gguf --lora "
-               f"gguf/{loras[0]}`, BASE.gguf: `{base}` as GGUF).\n" if loras else "")
+    named = [Path(g).name for g in ggufs or [] if g.endswith(".gguf")]
+    loras, bases = ([g for g in named if g.startswith(prefix)] for prefix in ("lora-", "base-"))
+    models = [g for g in named if g not in loras + bases]
+    merged += (f"\nGGUF files for llama.cpp and Ollama in `gguf/`: {', '.join(f'`{g}`' for g in models)}, and "
+               "`gguf/Modelfile` (`ollama create NAME -f gguf/Modelfile`).\n" if models else "")
+    merged += (f"\nThe adapter as a GGUF LoRA in `gguf/`: `{loras[0]}`, on `{bases[0]}`, the base as the adapter "
+               f"was trained against it (`llama-server -m gguf/{bases[0]} --lora gguf/{loras[0]}`; Ollama: "
+               "`ollama create NAME -f gguf/Modelfile.adapter`).\n" if loras and bases else "")
     return f"""---
 library_name: peft
 base_model: {base}

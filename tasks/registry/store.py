@@ -221,8 +221,14 @@ def heal(root: Path) -> list[str]:
             raise UserError(_lost(root, lost))
         done += _heal_champion(root)
     for line in done:
-        logger().warning("exports registry %s: %s", root.name, line)
+        announce(root, line)
     return done
+
+
+def announce(root: Path, repair: str) -> None:
+    """Say what was repaired: every repair of the registry says it here, once, as a warning in the run's log (in the
+    UI and the terminal), or on stderr for `history` and `promote` (tasks/log.py warnings_to_terminal)."""
+    logger().warning("exports registry %s: repaired: %s", root.name, repair)
 
 
 def _heal_champion(root: Path) -> list[str]:
@@ -348,6 +354,7 @@ def repaired(root: Path, record: dict[str, Any]) -> str:
         return f"{problem}; its export stage folder {source} cannot restore it ({why})"
     with _lock(root), _repairing(root, source):
         _place_version(root, source, record["version"], replacing=True)
+    announce(root, f"restored {record['version']} from {source} ({problem})")
     return damage(root, record)
 
 
@@ -557,7 +564,7 @@ def repair(root: Path, stage_dir: Path) -> list[str]:
         if not (root / record["version"]).exists():
             _place_version(root, Path(stage_dir), record["version"])
             done.append(f"restored {record['version']} from {stage_dir}")
-            logger().warning("exports registry %s: %s", root.name, done[-1])
+            announce(root, done[-1])
         return done + heal(root)
 
 
@@ -621,7 +628,9 @@ def _text(value: Any) -> str:
 
 def promote(root: Path, version: str) -> dict[str, Any]:
     """Make an existing version the champion by hand (`qlora-pipeline promote`: a rollback), its files verified first
-    (and repaired from its export stage folder if need be); the record champion.json now holds. ValueError: why not."""
+    (and repaired from its export stage folder if need be); the record champion.json now holds. ValueError: why not.
+    Damaged records are repaired first (heal), so a damaged record of `version` is restored, not refused."""
+    heal(root)
     record = version_record(root, version) if _VERSION_NAME.match(version) else None
     if record is None:
         known = ", ".join(r["version"] for r in versions(root)) or "none"

@@ -127,27 +127,45 @@ def run_completed(train_status: str, steps: int | None) -> None:
 
 
 _VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry/gate.py)
+NOT_UPDATED = "not updated"  # serving's status (tasks/export_adapter/serving.py) when the server kept what it served
+NOT_SERVED = "not-served"  # the tag of a run whose serve.url server does not serve the champion
+
+
+class NotServed(Exception):
+    """What a run ends with when serve.url's server does not serve the champion although the run did its work (the
+    version is published): its final state is Failed with this as its message; `summary` is the run's summary."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> Any:
-    """The run's final state: Completed with the registry's verdict as its message (on the run's page) and as a
-    tag (in the runs list), so the result is seen without opening an artifact; `summary` is the flow's result.
-    `who`: whose verdict it is, for a sweep its winner."""
-    from prefect.states import Completed
+    """The run's final state: the registry's verdict as its message (on the run's page) and as a tag (in the runs
+    list), so the result is seen without opening an artifact; `summary` is the flow's result. Completed, unless
+    serve.url's server was not updated (summary["serving"]): then Failed, the message saying why, the tag not-served,
+    so that a schedule, the failure alert and the UI tell it from a run whose champion is served. `who`: whose verdict
+    it is, for a sweep its winner."""
+    from prefect.states import Completed, Failed
 
-    if "promotion" not in metrics:
-        return Completed(data=summary)
-    message = (f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
-               f"{metrics['promotion_reason']}" + (" (published by an earlier run; nothing was recomputed)" if
-                                                   metrics.get("export_published") == "by an earlier run" else ""))
-    if _in_run():
+    serving = summary.get("serving") or {}
+    message = "" if "promotion" not in metrics else (
+        f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
+        f"{metrics['promotion_reason']}" + (" (published by an earlier run; nothing was recomputed)" if
+                                            metrics.get("export_published") == "by an earlier run" else ""))
+    tags = [metrics["promotion"]] if "promotion" in metrics else []
+    if serving.get("status") == NOT_UPDATED:
+        message, tags = "; ".join(filter(None, [message, serving["message"]])), [*tags, NOT_SERVED]
+    if _in_run() and tags:
         from prefect import get_client
         from prefect.runtime import flow_run
 
-        with get_client(sync_client=True) as client:  # a Retry's verdict replaces the attempt's before
-            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in _VERDICTS]
-            client.update_flow_run(flow_run.id, tags=[*kept, metrics["promotion"]])
-    return Completed(message=message, data=summary)
+        with get_client(sync_client=True) as client:  # a Retry's tags replace the attempt's before
+            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in (*_VERDICTS, NOT_SERVED)]
+            client.update_flow_run(flow_run.id, tags=[*kept, *tags])
+    if NOT_SERVED in tags:
+        return Failed(message=message, data=NotServed(message, summary))
+    return Completed(message=message or None, data=summary)
 
 
 def figure(columns: int = 1, size: tuple[float, float] = (6, 3.5)) -> tuple[Any, Any]:
@@ -292,6 +310,8 @@ def _next_step(message: str, flow_run_id: Any, new_run: str) -> str:
     new_run = f"start a new run with the field changed: {new_run}; Retry would run the same parameters and fail the "\
               "same way."
     advice = failure_advice(message)
+    if advice in ("serving", "serving-fix"):
+        return serving_advice(message, retry)
     if advice == "config":
         return f"The run's configuration was refused: {new_run}"
     if advice == "input":
@@ -304,12 +324,33 @@ def _next_step(message: str, flow_run_id: Any, new_run: str) -> str:
 _CONFIG_REFUSED = ("Validation of flow parameters failed", "ParameterTypeError")
 
 
+# serving's words for a server that was down or slow (tasks/export_adapter/vllm_api.py): the same run may succeed later
+_SERVER_AWAY = ("cannot be reached", "did not answer")
+
+
 def failure_advice(message: str) -> str:
     """Whether Retry can help a failed run, from its state message: "config" (the parameters were refused: it
-    cannot), "input" (a UserError: only once the data or file it names is fixed) or "retry"."""
+    cannot), "input" (a UserError: only once the data or file it names is fixed), "serving" (the champion is not
+    served because the server was away: once it is back), "serving-fix" (the server refused: only once it is fixed)
+    or "retry"."""
+    if "serving not updated: " in message:
+        return "serving" if any(text in message for text in _SERVER_AWAY) else "serving-fix"
     if any(text in message for text in _CONFIG_REFUSED):
         return "config"
     return "input" if "UserError" in message else "retry"
+
+
+def serving_advice(message: str, retry: str) -> str:
+    """What to do when the run did its work but serve.url's server does not serve the champion (NotServed)."""
+    done = ("The version is published and the registry's champion changed as the message says; the server still "
+            "serves what it served before. ")
+    promote = ("Or serve the champion without a run: `qlora-pipeline promote NAME VERSION --set serve.url=URL` "
+               "(docs/serving.md).")
+    if failure_advice(message) == "serving":
+        return f"{done}Once the server is up and answering, {retry} Only serving runs again. {promote}"
+    return (f"{done}Fix the server first as the message says (its start command, its API key in VLLM_API_KEY, its "
+            f"--max-lora-rank, its base model); Retry alone would be refused the same way. Then {retry} Only serving "
+            f"runs again. {promote}")
 
 
 def _new_run(client: Any, flow_run: Any, message: str) -> str:

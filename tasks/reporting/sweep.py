@@ -46,8 +46,8 @@ def rank(plan: Plan, outcomes: list[Outcome], data_dir: str, track: TrackArgs) -
 
 
 def report(ranking: Ranking, run_summary: dict[str, Any]) -> Any:
-    """Write winner.yaml and sweep.json (with the published version), the winner artifact; the sweep summary, as
-    the flow run's Completed state whose message is the verdict (artifacts.verdict).
+    """Write winner.yaml and sweep.json (with the published version and what serving did), the winner artifact; the
+    sweep summary, as the flow run's final state whose message is the verdict (artifacts.verdict).
 
     Raises after everything is written and published when a candidate failed (the flow's docstring says why).
     """
@@ -56,7 +56,8 @@ def report(ranking: Ranking, run_summary: dict[str, Any]) -> Any:
     _write(ranking.plan.dir / "winner.yaml", text)
     summary = {**record(ranking), "export": {k: run_summary["metrics"].get(k) for k in (
         "export_name", "export_version", "export_path", "promotion", "promotion_reason", "champion_version")},
-        "export_dir": run_summary["export_dir"], "run_dir": run_summary["run_dir"]}
+        "export_dir": run_summary["export_dir"], "run_dir": run_summary["run_dir"],
+        **({"serving": run_summary["serving"]} if run_summary.get("serving") else {})}
     _write(ranking.plan.dir / "sweep.json", json.dumps(summary, indent=2))
     export = summary["export"]
     _markdown("sweep-winner", f"## Sweep winner {winner.candidate.name}: {winner.candidate.label}\n\n"

@@ -28,7 +28,7 @@ PHASES: dict[str, str] = {
     "processes": "how many training processes there are, on how many hosts, and how they share the model (launch.py, "
                  "nodes.py, builder.trainer_for)",
     "generation": "around GRPOTrainer's sampling of each step's answers, for the methods that learn from rewards "
-                  "(generation.install, from methods/grpo.py)",
+                  "(generation.install, from the GRPO unit)",
 }
 
 

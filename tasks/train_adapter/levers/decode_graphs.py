@@ -84,7 +84,7 @@ class _Runner:
             except RuntimeError as exc:  # a step that syncs with the host or allocates pinned memory: stay eager
                 self.release()
                 self.decoder.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
-                logger().warning("train_adapter (grpo): decoding steps stay eager: capturing one as a CUDA graph "
+                logger().warning("train_adapter (generation): decoding steps stay eager: capturing one as a CUDA graph "
                                  "failed (%s)", self.decoder.failed)
                 return self.forward(**kwargs)
         for name, buffer in self.inputs.items():

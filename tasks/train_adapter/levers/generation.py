@@ -41,14 +41,14 @@ def install(trainer: Any, speed: SpeedArgs) -> str | None:
     in words, or None where it steps aside (both logged)."""
     reason = unsupported(trainer)
     if reason is not None:
-        logger().info("train_adapter (grpo): answers sampled by TRL's own path (%s)", reason)
+        logger().info("train_adapter (generation): answers sampled by TRL's own path (%s)", reason)
         return None
     trainer._generate_single_turn = _fast_generation(trainer, trainer._generate_single_turn, speed)
     graphs = decode_graphs.unsupported(trainer.model)
     done = ("answers sampled on the 4-bit base dequantized once per generation, LoRA unmerged; "
             + (f"eager decoding steps ({graphs})" if graphs else "a static KV cache, each decoding step replayed as a "
                "CUDA graph"))
-    logger().info("train_adapter (grpo): %s", done)
+    logger().info("train_adapter (generation): %s", done)
     return done
 
 
@@ -77,7 +77,7 @@ def _fast_generation(trainer: Any, original: Callable[..., Any], speed: SpeedArg
                                 max(map(len, prompt_ids)) + trainer.max_completion_length)
         if said[-1:] != [fits]:
             said[:] = [fits]
-            logger().info("train_adapter (grpo): %s", why)
+            logger().info("train_adapter (generation): %s", why)
         if not fits:
             return original(*args)
         with dense_layers(trainer.model), decoder.graphed(trainer.model, trainer.generation_config):

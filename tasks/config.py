@@ -789,6 +789,13 @@ def _parallel_problem(row: methods.Method, speed: SpeedArgs) -> str:
     return ""
 
 
+def _export_problem(row: methods.Method, export: ExportArgs) -> str:
+    if row.head != "causal_lm" and export.gguf:  # llama.cpp's GGUF holds language models, not a score head
+        return (f"train.method={row.name} trains a {row.head} head, which GGUF files (llama.cpp, Ollama) cannot "
+                "hold; set export.gguf=[] (export.merge still writes the merged model)")
+    return ""
+
+
 def _method_run_rules() -> list[dict[str, Any]]:
     """RunConfig's form rules of each method (_check_method's across sections): its data formats, and FSDP, GPUs
     and hosts where it does not allow them."""
@@ -798,6 +805,7 @@ def _method_run_rules() -> list[dict[str, Any]]:
         then.update({} if row.fsdp else {"speed.fsdp": {"enum": [False]}})
         then.update({} if row.several_gpus else {"speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}})
         then.update({} if row.across_hosts else {"speed.num_nodes": {"enum": [1]}})
+        then.update({} if row.head == "causal_lm" else {"export.gguf": {"maxItems": 0}})
         rules.append(_rule({"train.method": {"enum": [row.name]}}, then, when_absent=row.name == DEFAULT_METHOD))
     return rules
 
@@ -860,7 +868,8 @@ class RunConfig(_Section):
         if row.registry and "name" not in self.export.model_fields_set:  # a registry of its own kind by default
             self.export.name = row.registry
         problems = [p for p in (_loss_problem(row, self.train.loss_type), _format_problem(row, self.data.format),
-                                *_field_problems(row, self.train), _parallel_problem(row, self.speed)) if p]
+                                *_field_problems(row, self.train), _parallel_problem(row, self.speed),
+                                _export_problem(row, self.export)) if p]
         if problems:
             raise ValueError("; ".join(problems))
         if self.train.init_adapter == "champion":  # the champion of this run's own registry

@@ -219,6 +219,9 @@ def test_every_field_starts_at_a_value_the_form_can_show() -> None:
     ["train.method=grpo", "train.rewards=[format]", "speed.num_gpus=2"],
     ["train.method=grpo", "train.rewards=[format]", "speed.num_nodes=2"], ["speed.num_nodes=2", "speed.num_gpus=auto"],
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16", "model.bnb_4bit_compute_dtype=float16"],
+    ["train.method=orpo", "train.loss_type=sigmoid"], ["train.method=orpo", "data.format=unpaired_preference"],
+    ["train.method=orpo", "speed.fsdp=true"], ["train.method=sft", "data.format=preference"],
+    ["train.method=reward_model", "export.merge=true", "export.gguf=[q8_0]"],
 ])
 def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
     """Bounds and the rules between fields are in the schema, so Prefect's server (and the form, which shows its
@@ -243,6 +246,8 @@ def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"], ["speed.num_gpus=auto", "eval.dequantize=false"],
     ["speed.num_nodes=2", "speed.num_gpus=4", "speed.node_join_timeout_s=60"],
     ["lora.target_modules=[q_proj, v_proj]", "train.optim=adamw_torch", "train.bf16=false"],
+    ["train.method=orpo", "train.beta=0.5", "data.format=preference"], ["train.method=reward_model", "export.merge=true"],
+    ["train.method=grpo", "train.rewards=['registry:reward-model']", "data.format=prompts"],
 ])
 def test_the_form_accepts_what_the_config_accepts(overrides: list[str]) -> None:
     """What the CLI sends for a valid config (a full dump, or only the fields set) passes the server's check."""
@@ -298,3 +303,9 @@ def test_run_form_has_titled_sections_readable_fields_and_visible_defaults() -> 
     assert defs["DataArgs"]["properties"]["source"]["default"] == "data/sample/instructions.jsonl"  # any checkout
     titles = [p["title"] for d in defs.values() for p in d.get("properties", {}).values()]
     assert not [t for t in titles if t in ("R", "Bf16", "Bnb 4Bit Quant Type")]
+
+
+def test_a_method_with_a_registry_of_its_own_publishes_there_unless_named() -> None:
+    assert load_config(None, ["train.method=reward_model"]).export.name == "reward-model"
+    assert load_config(None, ["train.method=reward_model", "export.name=rm"]).export.name == "rm"
+    assert load_config(None, ["train.method=orpo"]).export.name == "adapter"

@@ -246,7 +246,8 @@ def test_the_form_refuses_what_the_config_refuses(overrides: list[str]) -> None:
     ["speed.fsdp=true", "model.bnb_4bit_quant_storage=bfloat16"], ["speed.num_gpus=auto", "eval.dequantize=false"],
     ["speed.num_nodes=2", "speed.num_gpus=4", "speed.node_join_timeout_s=60"],
     ["lora.target_modules=[q_proj, v_proj]", "train.optim=adamw_torch", "train.bf16=false"],
-    ["train.method=orpo", "train.beta=0.5", "data.format=preference"], ["train.method=reward_model", "export.merge=true"],
+    ["train.method=orpo", "train.beta=0.5", "data.format=preference"],
+    ["train.method=reward_model", "export.merge=true"],
     ["train.method=grpo", "train.rewards=['registry:reward-model']", "data.format=prompts"],
 ])
 def test_the_form_accepts_what_the_config_accepts(overrides: list[str]) -> None:

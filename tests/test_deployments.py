@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tasks import methods
 from tasks.config import EMBEDDED_DATA, PRESETS_DIR, PROJECT_ROOT, RunConfig, load_config
 from tests.conftest import settled_task_states, task_states
 
@@ -441,6 +442,17 @@ def _field_text(browser: Any, title: str, next_title: str) -> str:
     return text[start:text.index(next_title, start)]
 
 
+def _choose(browser: Any, title: str, value: str) -> list[str]:
+    """Pick `value` in the dropdown of the field titled `title` (the V1 form's select); its options."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    box = browser.find_element(By.XPATH, f"//*[starts-with(normalize-space(text()), '{title}')]/following::select[1]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", box)
+    Select(box).select_by_value(value)
+    return [o.get_attribute("value") for o in Select(box).options]
+
+
 def _runs_of(deployment_id: Any) -> list[Any]:
     from prefect import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -522,6 +534,15 @@ def test_ui_form_runs_what_the_cli_runs(server: dict[str, Any], tmp_path: Path) 
         browser.execute_script("arguments[0].scrollIntoView(true);", title)
         browser.save_screenshot(str(SCREENSHOTS / "1b-run-form-lora.png"))
 
+        # every training method is offered, and its rules hold: ORPO has no loss type to choose (tasks/methods.py)
+        assert _choose(browser, "Method", "orpo") == list(methods.NAMES)
+        _choose(browser, "Loss type", "sigmoid")
+        browser.execute_script("arguments[0].click();", _submit_button(browser))
+        WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: "'sigmoid' is not one of" in b.page_source)
+        browser.save_screenshot(str(SCREENSHOTS / "1c-run-form-refuses-orpo-with-a-loss-type.png"))
+        assert browser.current_url.split("?")[0].endswith("/run") and not new_runs()
+        _choose(browser, "Method", "sft")
+        _choose(browser, "Loss type", "auto")
         # 0 steps: the form refuses it, says why, and no run is created
         _type(browser, "Max optimizer steps", "0")
         browser.execute_script("arguments[0].click();", _submit_button(browser))  # V1 shows the refusal in a toast

@@ -338,7 +338,12 @@ class TrainArgs(_Section):
     Why flat and not a section per method: TRL's configs subclass TrainingArguments, so for any method this whole
     section (less the pipeline's own fields and the fields of other methods) still hands over as one
     `**model_dump()`. One section also keeps the UI form and the train_adapter cache key as they were, and
-    `train.method: NAME` reads as users write it. TRL 1.16 has no max_prompt_length (only max_length, truncating
+    `train.method: NAME` reads as users write it. A tab per method in the run form (the section as a union of
+    per-method branches, each with only its own fields) was tried in real Chromium: Prefect's V2 form switched tabs
+    as chosen, but the V1 form (the one Prefect's own links open) picks a branch by the shape of the fields (KTO's
+    tab showed DPO, ORPO's showed DPO, the reward model's SFT), and the server's message for a wrong value of any
+    train field became "is not valid under any of the given schemas" (the form lost "0 trains nothing"). So the
+    form shows every field, each naming the methods that read it, and the rules between fields refuse the rest. TRL 1.16 has no max_prompt_length (only max_length, truncating
     prompt + completion from the end): data.max_seq_length plays that part at prepare_data time, where
     prompt-filling pairs are dropped and counted.
     """

@@ -198,19 +198,9 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(kind: str, spec: dict[str, Any], log: Path, timeout: int) -> dict[str, Any]:
-    spec_file = log.with_suffix(".spec.json")
-    spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, __file__, "--worker", kind, "--spec", str(spec_file)]
-    t = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout} s", "log_tail": str(exc.stdout or "")[-2000:]}
-    log.write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
-    return {**json.loads(lines[-1][len("RESULT "):]), "process_s": round(time.time() - t, 1)}
+    from worker import run_worker
+
+    return run_worker(__file__, kind, spec, log, timeout)
 
 
 def main() -> None:

@@ -343,9 +343,9 @@ class TrainArgs(_Section):
     as chosen, but the V1 form (the one Prefect's own links open) picks a branch by the shape of the fields (KTO's
     tab showed DPO, ORPO's showed DPO, the reward model's SFT), and the server's message for a wrong value of any
     train field became "is not valid under any of the given schemas" (the form lost "0 trains nothing"). So the
-    form shows every field, each naming the methods that read it, and the rules between fields refuse the rest. TRL 1.16 has no max_prompt_length (only max_length, truncating
-    prompt + completion from the end): data.max_seq_length plays that part at prepare_data time, where
-    prompt-filling pairs are dropped and counted.
+    form shows every field, each naming the methods that read it, and the rules between fields refuse the rest.
+    TRL 1.16 has no max_prompt_length (only max_length, truncating prompt + completion from the end):
+    data.max_seq_length plays that part at prepare_data time, where prompt-filling pairs are dropped and counted.
     """
 
     FORM_RULES: ClassVar[list[dict[str, Any]]] = []  # the methods' (_method_rules), set below the class

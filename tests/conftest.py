@@ -324,3 +324,36 @@ def reporting_to(url: str) -> Iterator[None]:
             drain()
     finally:
         drain()
+
+
+def killed_at_a_checkpoint(script: str, folder: Path, log: Path, timeout: float = 600) -> int:
+    """Run `script` (python -c) in its own process group, SIGKILL it once its training under stage folder `folder`
+    has written a complete checkpoint; the newest complete checkpoint's step."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, start_new_session=True,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    try:
+        while not list(folder.glob("checkpoints/checkpoint-*/complete")):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "no checkpoint written in time"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return max(int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoints/checkpoint-*/complete"))
+
+
+def damaged_copy(adapter: Path, copy: Path) -> Path:
+    """A copy of the adapter folder `adapter` at `copy` (a plain folder: no recorded hashes to catch the damage before
+    the weights are tried) whose layer-3 down_proj LoRA B weights are 1e28."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, copy)
+    weights = load_file(copy / "adapter_model.safetensors")
+    save_file({k: v.fill_(1e28) if "layers.3.mlp.down_proj.lora_B" in k else v for k, v in weights.items()},
+              copy / "adapter_model.safetensors")
+    return copy

@@ -5,12 +5,9 @@ the held-out reward rising and the gate promoting on it, kill -9 and resume, one
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,7 @@ import pytest
 
 from tasks.config import PROJECT_ROOT, DataArgs, ModelArgs, load_config
 from tasks.errors import UserError
-from tests.conftest import run_flow, statuses
+from tests.conftest import damaged_copy, killed_at_a_checkpoint, run_flow, statuses
 
 PROMPTS = PROJECT_ROOT / "data" / "sample" / "prompts.jsonl"
 # GRPO of a few seconds on 2 CPU cores: 8 answers a step (2 prompts x 4), 4 tokens each
@@ -298,20 +295,9 @@ def test_kill_9_mid_grpo_resumes_to_the_same_steps_and_adapter_bytes(prompt_stag
     killed_runs, plain_runs = tmp_path / "killed", tmp_path / "plain"
     script = ("from pathlib import Path; from tests.test_grpo import _config, _train; "
               f"_train(_config(**{overrides!r}), Path({str(killed_runs)!r}), {prompt_stages!r})")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, start_new_session=True,
-                            stdout=(tmp_path / "out").open("w"), stderr=subprocess.STDOUT)
     folder = spec(config.lora, config.train, config.speed, killed_runs, prompt_stages["data"],
                   prompt_stages["model"]).dir
-    deadline = time.time() + 600
-    try:
-        while not list(folder.glob("checkpoints/checkpoint-*/complete")):
-            assert proc.poll() is None, (tmp_path / "out").read_text()[-3000:]
-            assert time.time() < deadline, "no checkpoint written in time"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    saved = max(int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoints/checkpoint-*/complete"))
+    saved = killed_at_a_checkpoint(script, folder, tmp_path / "out")
     assert saved < steps
     resumed = _train(config, killed_runs, prompt_stages)
     manifest = json.loads((resumed / "manifest.json").read_text())
@@ -344,16 +330,8 @@ def test_a_damaged_init_adapter_is_refused_before_grpo_training(prompt_stages: d
                                                                 ) -> None:
     """GRPO starts from train.init_adapter through the same trainer builder as every method, so a damaged one is
     refused before the first step (checked on the first prompts, all their tokens scored)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     trained = _train(_config(**{"train.max_steps": 1, "lora.r": 4}), tmp_path, prompt_stages) / "adapter"
-    start = tmp_path / "copied"  # a plain folder: no recorded hashes to catch the damage before the weights are tried
-    shutil.copytree(trained, start)
-    weights = load_file(start / "adapter_model.safetensors")
-    save_file({k: v.fill_(1e28) if "layers.3.mlp.down_proj.lora_B" in k else v for k, v in weights.items()},
-              start / "adapter_model.safetensors")
+    start = damaged_copy(trained, tmp_path / "copied")
     with pytest.raises(UserError, match=rf"^train\.init_adapter='{start}' is damaged: on the first 4 training "
                                         r"examples the base model with it"):
         _train(_config(**{"train.max_steps": 2, "train.init_adapter": str(start)}), tmp_path, prompt_stages)

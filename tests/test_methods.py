@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +15,7 @@ import pytest
 
 from tasks import methods
 from tasks.config import EMBEDDED_PREFERENCES, PROJECT_ROOT, DataArgs, ModelArgs, load_config
-from tests.conftest import run_flow, statuses
+from tests.conftest import killed_at_a_checkpoint, run_flow, statuses
 
 PRESETS = PROJECT_ROOT / "data" / "presets"
 
@@ -180,19 +175,8 @@ def test_kill_9_mid_training_resumes_to_the_same_steps_and_adapter_bytes(pairs: 
     killed, plain = tmp_path / "killed", tmp_path / "plain"
     script = ("from pathlib import Path; from tests.test_methods import _train; "
               f"_train({overrides!r}, Path({str(killed)!r}), {pairs!r})")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, start_new_session=True,
-                            stdout=(tmp_path / "out").open("w"), stderr=subprocess.STDOUT)
     folder = spec(config.lora, config.train, config.speed, killed, pairs["data"], pairs["model"]).dir
-    deadline = time.time() + 600
-    try:
-        while not list(folder.glob("checkpoints/checkpoint-*/complete")):
-            assert proc.poll() is None, (tmp_path / "out").read_text()[-3000:]
-            assert time.time() < deadline, "no checkpoint written in time"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    saved = max(int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoints/checkpoint-*/complete"))
+    saved = killed_at_a_checkpoint(script, folder, tmp_path / "out")
     assert saved < steps
     resumed = _train(overrides, killed, pairs)
     manifest = json.loads((resumed / "manifest.json").read_text())

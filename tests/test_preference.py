@@ -4,19 +4,14 @@ DPO and KTO end to end on the embedded tiny model and the generated sample pairs
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tasks.config import EMBEDDED_PREFERENCES, PROJECT_ROOT, DataArgs, ModelArgs, load_config
+from tasks.config import EMBEDDED_PREFERENCES, DataArgs, ModelArgs, load_config
 from tasks.errors import UserError
-from tests.conftest import run_flow, statuses
+from tests.conftest import damaged_copy, killed_at_a_checkpoint, run_flow, statuses
 
 # a few seconds of DPO on 2 CPU cores that the held-out pairs show (about 0.8 reward accuracy after 20 steps)
 FAST = {"train.learning_rate": 0.003, "train.beta": 0.5, "train.per_device_train_batch_size": 8,
@@ -266,22 +261,11 @@ def test_kill_9_mid_dpo_resumes_with_the_same_number_of_steps(pairs: dict[str, s
               "from tasks.train_adapter.stage import train_adapter; "
               f"train_adapter.fn(*_sections({overrides!r}), Path({str(runs)!r}), {pairs['data']!r}, "
               f"{pairs['model']!r})")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, start_new_session=True,
-                            stdout=(tmp_path / "out").open("w"), stderr=subprocess.STDOUT)
     from tasks.train_adapter.stage import spec, train_adapter
 
     sections = _sections(overrides)
     folder = spec(*sections, runs, pairs["data"], pairs["model"]).dir
-    deadline = time.time() + 600
-    try:
-        while not list(folder.glob("checkpoints/checkpoint-*/complete")):
-            assert proc.poll() is None, (tmp_path / "out").read_text()[-3000:]
-            assert time.time() < deadline, "no checkpoint written in time"
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    saved = max(int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoints/checkpoint-*/complete"))
+    saved = killed_at_a_checkpoint(script, folder, tmp_path / "out")
     assert saved < steps
     done = Path(train_adapter.fn(*sections, runs, pairs["data"], pairs["model"]))
     manifest = json.loads((done / "manifest.json").read_text())
@@ -510,19 +494,11 @@ def test_a_preference_training_whose_loss_goes_non_finite_stops_at_that_step(pai
 
 
 def test_a_damaged_init_adapter_is_refused_before_preference_training(pairs: dict[str, str], tmp_path: Path) -> None:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from tasks.train_adapter.stage import train_adapter
 
     trained = Path(train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=1", "lora.r=4"]), tmp_path,
                                     pairs["data"], pairs["model"])) / "adapter"
-    start = tmp_path / "copied"  # a plain folder: no recorded hashes to catch the damage before the weights are tried
-    shutil.copytree(trained, start)
-    weights = load_file(start / "adapter_model.safetensors")
-    save_file({k: v.fill_(1e28) if "layers.3.mlp.down_proj.lora_B" in k else v for k, v in weights.items()},
-              start / "adapter_model.safetensors")
+    start = damaged_copy(trained, tmp_path / "copied")
     with pytest.raises(UserError, match=rf"^train\.init_adapter='{start}' is damaged: on the first 4 training "
                                         r"examples the base model with it predicts the same for every token"):
         train_adapter.fn(*_sections(["train.method=dpo", "train.max_steps=2", f"train.init_adapter={start}"]),

@@ -97,6 +97,22 @@ class Unit:
         return {}
 
 
+class PaddedUnit(Unit):
+    """A method that trains on its TRL trainer's padded batches and computes its own log-probabilities: neither
+    packing nor the pipeline's fused loss applies, and every decoder layer recomputes its activations while
+    train.gradient_checkpointing is on (the memory plan is for the methods that pack)."""
+
+    def base_speed(self, speed: SpeedArgs) -> SpeedArgs:
+        return speed.model_copy(update={"packing": False, "fused_cross_entropy": False})
+
+    def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> plan.MicroBatches | None:
+        from tasks.train_adapter.levers.recompute import enable_checkpointing
+
+        if train.gradient_checkpointing:
+            enable_checkpointing(trainer.model.get_base_model(), False, None)
+        return None
+
+
 def fit_and_save(unit: Unit, lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, data_dir: str, model_dir: str,
                  out: Path) -> dict[str, Any]:
     """Train with `unit`'s method here (alone, or as one rank of a data-parallel group) from the latest checkpoint;

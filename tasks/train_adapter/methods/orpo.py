@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import SpeedArgs, TrainArgs
-from tasks.train_adapter.builder import CountingCollator, Recipe, Unit
+from tasks.train_adapter.builder import CountingCollator, PaddedUnit, Recipe
 
 
-class Orpo(Unit):
+class Orpo(PaddedUnit):
     name = "orpo"
     # the builder makes the fresh adapter: given peft_config, TRL's ORPO trainer would run
     # prepare_model_for_kbit_training (float32 copies of the frozen layers) where the pipeline's levers decide
@@ -39,10 +39,6 @@ class Orpo(Unit):
         head = data[:CHECK_ROWS]
         return list(zip(head["chosen_input_ids"], head["chosen_labels"], strict=True))
 
-    def base_speed(self, speed: SpeedArgs) -> SpeedArgs:
-        # TRL's padded batches and its own log-probabilities of the full logits: neither packing nor the fused loss
-        return speed.model_copy(update={"packing": False, "fused_cross_entropy": False})
-
     def recipe(self, model: Any, train: TrainArgs, speed: SpeedArgs, data: Any, model_dir: Path) -> Recipe:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         from trl.experimental.utils import DPODataCollatorWithPadding
@@ -54,13 +50,6 @@ class Orpo(Unit):
         return Recipe(_PreTokenized(ORPOTrainer), ORPOConfig, {"beta": train.beta, "remove_unused_columns": False},
                       data, collator, {"data_collator": collator, "processing_class": load_tokenizer(model_dir)},
                       settings_speed=self.base_speed(speed))
-
-    def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> None:
-        from tasks.train_adapter.levers.recompute import enable_checkpointing
-
-        if train.gradient_checkpointing:  # every decoder layer, as the pipeline's padded runs recompute them
-            enable_checkpointing(trainer.model.get_base_model(), False, None)
-        return None
 
 
 UNIT = Orpo()

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import SpeedArgs, TrainArgs
-from tasks.train_adapter.builder import CountingCollator, Recipe, Unit
+from tasks.train_adapter.builder import CountingCollator, PaddedUnit, Recipe
 
 
-class RewardModel(Unit):
+class RewardModel(PaddedUnit):
     name = "reward_model"
     task_type = "SEQ_CLS"
     lora_by_trainer = False  # the builder makes the adapter (peft adds the score head to its saved modules)
@@ -42,10 +42,6 @@ class RewardModel(Unit):
 
         return load_quantized(model_dir, head="score")
 
-    def base_speed(self, speed: SpeedArgs) -> SpeedArgs:
-        # padded pairs, and no language-model head for the fused loss to work on
-        return speed.model_copy(update={"packing": False, "fused_cross_entropy": False})
-
     def recipe(self, model: Any, train: TrainArgs, speed: SpeedArgs, data: Any, model_dir: Path) -> Recipe:
         from trl import RewardConfig, RewardTrainer
         from trl.trainer.reward_trainer import DataCollatorForPreference
@@ -56,13 +52,6 @@ class RewardModel(Unit):
         return Recipe(RewardTrainer, RewardConfig, {"max_length": None}, data, collator,
                       {"data_collator": collator, "processing_class": load_tokenizer(model_dir)},
                       settings_speed=self.base_speed(speed))
-
-    def after(self, trainer: Any, train: TrainArgs, speed: SpeedArgs, recipe: Recipe) -> None:
-        from tasks.train_adapter.levers.recompute import enable_checkpointing
-
-        if train.gradient_checkpointing:  # every decoder layer, as the pipeline's padded runs recompute them
-            enable_checkpointing(trainer.model.get_base_model(), False, None)
-        return None
 
 
 UNIT = RewardModel()

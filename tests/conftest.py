@@ -18,7 +18,25 @@ import pytest
 
 from tasks.config import EMBEDDED_DATA, PROJECT_ROOT, load_config
 
-SMALL_ROWS = 240  # enough for a few optimizer steps and a non-empty eval split
+SMALL_ROWS = 240
+MODULES_SHOWN = 15  # the slowest test modules each run names, beside pytest's slowest tests (--durations)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every run says what it cost per module: the seconds of each test module's setups, calls and teardowns
+    together (module fixtures, servers included), slowest first, and the run's total."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "nodeid") and hasattr(report, "duration") and hasattr(report, "when"):
+                module = report.nodeid.split("::")[0]
+                totals[module] = totals.get(module, 0.0) + report.duration
+    if not totals:
+        return
+    terminalreporter.write_sep("=", f"slowest {min(MODULES_SHOWN, len(totals))} modules")
+    for module, seconds in sorted(totals.items(), key=lambda item: -item[1])[:MODULES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:9.1f}s {module}")
+    terminalreporter.write_line(f"{sum(totals.values()):9.1f}s in all test modules")  # enough for a few optimizer steps and a non-empty eval split
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 
 from tasks.config import EMBEDDED_DATA, PROJECT_ROOT, load_config
 
-SMALL_ROWS = 240
+SMALL_ROWS = 240  # enough for a few optimizer steps and a non-empty eval split
 MODULES_SHOWN = 15  # the slowest test modules each run names, beside pytest's slowest tests (--durations)
 
 
@@ -36,7 +36,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_sep("=", f"slowest {min(MODULES_SHOWN, len(totals))} modules")
     for module, seconds in sorted(totals.items(), key=lambda item: -item[1])[:MODULES_SHOWN]:
         terminalreporter.write_line(f"{seconds:9.1f}s {module}")
-    terminalreporter.write_line(f"{sum(totals.values()):9.1f}s in all test modules")  # enough for a few optimizer steps and a non-empty eval split
+    terminalreporter.write_line(f"{sum(totals.values()):9.1f}s in all test modules")
 
 
 @pytest.fixture(scope="session")

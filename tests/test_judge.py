@@ -305,3 +305,56 @@ def test_a_judge_that_cannot_judge_stops_the_run_before_any_stage(tmp_path: Path
     assert "eval.judge.api_key_env names NO_SUCH_JUDGE_KEY, which is not set" in said
     assert "eval.judge.rubric lacks {answer_b}" in said
     assert f"eval.judge.url: the judge at {judge.url} gave no answer after 1 try: it cannot be reached" in said
+
+
+@pytest.mark.slow
+def test_a_run_with_a_suite_and_a_judge_shows_both_and_a_rerun_is_cached(
+        prefect_env: Path, vllm_server: str, judge_key: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The whole flow: the verdict names the rule and what the suite and the judge said, the UI has the
+    judge-verdicts table, the CLI's summary a line for each; run again, every stage and score_champion are Cached."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from deployments.cli import _print_summary
+    from tasks.config import EMBEDDED_DATA
+    from tests.conftest import run_flow, settled_task_states, small_overrides, statuses
+    from tests.test_suites import write_suite
+
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:240]))
+    suite = write_suite(tmp_path / "suite")
+    judge = {"url": f"{vllm_server}/v1", "model": JUDGE_MODEL, "api": "completions", "constrain": "choice",
+             "prompts": PROMPTS, "retries": 1, "api_key_env": "VLLM_API_KEY", "min_win_rate": 0.0}
+    overrides = small_overrides(data, tmp_path / "runs", **{
+        "export.name": "answers", "eval.generation_samples": PROMPTS, "eval.max_new_tokens": 8,
+        "eval.suites": json.dumps([{"task": str(suite), "tolerance": 1.0}]), "eval.judge": json.dumps(judge)})
+    summary = run_flow(overrides)
+    m = summary["metrics"]
+    assert (m["promotion"], m["gate_rule"]) == ("promoted", "first"), m["promotion_reason"]
+    assert "; regression suites within tolerance: next_day acc" in m["promotion_reason"]
+    assert f"; judge {JUDGE_MODEL}: win rate {m['judge']['win_rate']:.3f} against the base model" in \
+        m["promotion_reason"]
+    prefix = Path(summary["run_dir"]).name.split("-")[-1]
+    with get_client(sync_client=True) as client:
+        tables = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["judge-verdicts"]))) if str(a.flow_run_id).startswith(prefix)]
+    rows = json.loads(tables[0].data)
+    assert len(rows) == PROMPTS and {"verdict, challenger as A", "verdict, challenger as B", "base's answer",
+                                     "challenger's answer", "judge's text (challenger as A)"} <= set(rows[0])
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "suite next_day (acc, tolerance 1): base " in out and f"judge {JUDGE_MODEL} against base: win rate" in out
+    assert "promoted by the first rule: first version" in out
+
+    verdicts = tmp_path / "runs" / m["judge"]["verdicts"]
+    kept = verdicts.stat().st_mtime_ns
+    again = run_flow(overrides)
+    assert set(statuses(again).values()) == {"cached"} and verdicts.stat().st_mtime_ns == kept
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort="START_TIME_DESC", limit=1)[0]
+    assert str(run.id).startswith(Path(again["run_dir"]).name.split("-")[-1])
+    states = settled_task_states(run.id)
+    # score_champion had no key while its verdicts were missing (a judge that fails is asked again next run), so
+    # this first re-run computes its key's result once: nothing to score, nothing loaded or asked
+    assert states.pop("score_champion") in (["Completed"], ["Cached"])
+    assert sorted(s for v in states.values() for s in v) == ["Cached"] * 5

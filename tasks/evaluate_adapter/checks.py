@@ -15,8 +15,7 @@ _ANSWERS = "sequences"  # the scorer (tasks/methods.py score_with) that keeps th
 
 def check_evaluation(args: EvalArgs, train: TrainArgs) -> None:
     """A UserError listing every reason the suites, the judge or eval.lm_eval_tasks cannot run with this method."""
-    row = methods.method(train.method)
-    found = []
+    row, found = methods.method(train.method), []
     if args.lm_eval_tasks and suites.installed() is None:
         found.append(f"eval.lm_eval_tasks={args.lm_eval_tasks} is set, but {suites.NOT_INSTALLED}")
     if (args.suites or args.judge.url) and row.head != "causal_lm":
@@ -25,7 +24,8 @@ def check_evaluation(args: EvalArgs, train: TrainArgs) -> None:
     elif args.judge.url and row.score_with != _ANSWERS:
         found.append(f"eval.judge compares greedy answers to held-out instructions, which the evaluation of "
                      f"train.method={row.name} does not keep for the champion: leave eval.judge.url empty")
-    found += suites.problems(args.suites) + judge.problems(args.judge)
+    if not found:  # what the method cannot use is not loaded or asked
+        found += suites.problems(args.suites) + judge.problems(args.judge)
     if found:
         raise UserError("The promotion gate's evaluation cannot run as configured, so nothing was run: "
                         + "; ".join(found) + ".")

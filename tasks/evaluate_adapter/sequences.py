@@ -29,7 +29,7 @@ from tasks.config import EvalArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import VERSION, keys, suites
 from tasks.evaluate_adapter.generation import by_length, generation_tokens, greedy_generate, score, split_prompt
-from tasks.evaluate_adapter.outputs import samples, without_cudnn_attention, write
+from tasks.evaluate_adapter.outputs import attached, samples, without_cudnn_attention, write
 from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_for_evaluation, load_tokenizer
@@ -102,24 +102,6 @@ class _Base:
     def __init__(self, load: Callable[[], Any]) -> None:
         self.model = load()
         self.in_4bit = bool(getattr(self.model, "is_loaded_in_4bit", False))
-
-
-def attached(model: Any, adapter: Path) -> Any:
-    """base + the adapter in `adapter`: merged into the weights of a dequantized base, else peft's LoRA layers on
-    the 4-bit one.
-
-    Why merged: a merged layer is one matmul, where peft's LoRA adds two more in float32 (the adapter's dtype) and
-    its casts, which made the tuned passes slower than the base model's (docs/performance.md, "Evaluation").
-    The tuned numbers are then those of the merged weights, each rounded to the compute dtype once, as export.merge
-    writes them."""
-    from peft import PeftModel
-
-    # peft's default load, not low_cpu_mem_usage: that one rounds the adapter's float32 weights to the base's bf16
-    # on the way in (checked against the file, peft 0.21), which moved the 8B job's tuned eval loss by 1e-5
-    attached = PeftModel.from_pretrained(model, adapter)
-    if not getattr(model, "is_loaded_in_4bit", False):
-        attached.merge_adapter()
-    return attached
 
 
 def _evaluate_all(base: _Base, adapter: Path, tokenizer: Any, batches: list[dict[str, Any]],

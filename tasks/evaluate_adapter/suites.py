@@ -28,6 +28,7 @@ import yaml
 from tasks.config import EvalArgs, SuiteArgs
 from tasks.errors import UserError
 from tasks.evaluate_adapter import VERSION
+from tasks.evaluate_adapter.outputs import attached
 from tasks.hashing.files import files_sha256
 from tasks.hashing.keys import cache_key
 from tasks.log import logger
@@ -218,7 +219,6 @@ def _scored(args: EvalArgs, runs_dir: Path, model_dir: Path, adapter: Path, who:
     """(the adapter's suite results, with `with_base` the base model's too, from the same load); `who` names the
     adapter in the log, memo_name its memo file (None: not remembered). The model is loaded only for what the memo
     lacks."""
-    from tasks.evaluate_adapter.sequences import attached
     from tasks.models.loading import load_for_evaluation, load_tokenizer
     from tasks.models.memory import release_device_memory
 

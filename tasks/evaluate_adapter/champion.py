@@ -16,6 +16,11 @@ it Cached. Nothing is scored, and nothing loaded, when no verdict needs it: no c
 very adapter (the gate judges its formats), this evaluation is already published with these export settings
 (export_adapter is then cached), or the champion cannot be scored here (another base model, no recorded hashes,
 damaged beyond repair: the gate falls back to its own night's numbers and says why).
+
+With eval.suites, the champion's suite scores are scored here too (suites.py, remembered by its identity); with
+eval.judge, the judge's verdict on this adapter's answers against the champion's (or, with no champion yet, the base
+model's) is asked here (judging.py): it depends on both. The task has no cache key while verdicts are missing, so a
+run whose judge failed asks it again, only what it lacks.
 """
 
 from __future__ import annotations

@@ -606,8 +606,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 def history(root: Path) -> list[dict[str, Any]]:
     """One row per version with an intact record, oldest first: its tuned loss, the loss of the champion it was
     scored beside on the same night (same data), and likewise the measure its method is judged on (tasks/methods.py)
-    where that is not the loss; verdict, rule and date. The registry-history artifact and `qlora-pipeline history`
-    (which heal the registry first)."""
+    where that is not the loss; verdict, rule and date; its regression suites and judged win rate where it had them.
+    The registry-history artifact and `qlora-pipeline history` (which heal the registry first)."""
     rows = []
     for r in _records(root)[0]:
         m, measure = r["metrics"], record_method(root, r).measure

@@ -284,25 +284,26 @@ def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) ->
 
 
 def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> None:
-    """evaluate_adapter merges the adapter into a dequantized base (_attached): the same loss as peft's own LoRA
+    """evaluate_adapter merges the adapter into a dequantized base (outputs.attached): the same loss as peft's own LoRA
     layers beside the weights, up to float rounding, and the same greedy answers; on a 4-bit base it keeps them."""
     from peft import PeftModel
 
     from tasks.evaluate_adapter.generation import greedy_generate
-    from tasks.evaluate_adapter.sequences import _attached, mean_loss
+    from tasks.evaluate_adapter.outputs import attached
+    from tasks.evaluate_adapter.sequences import mean_loss
     from tasks.models.dequantize import dequantize_in_place
     from tasks.models.loading import load_quantized
 
     batches, prompts, eos = _eval_inputs(trained, 4)
     adapter = Path(trained["adapter"]) / "adapter"
     layers = PeftModel.from_pretrained(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
-    merged = _attached(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
+    merged = attached(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
     assert merged.base_model.model.model.layers[0].mlp.down_proj.merged
     assert not layers.base_model.model.model.layers[0].mlp.down_proj.merged
     (loss, tokens), (same, same_tokens) = mean_loss(merged, batches), mean_loss(layers, batches)
     assert tokens == same_tokens and abs(loss - same) < 1e-5 * same  # fp32 on CPU: rounding only
     assert greedy_generate(merged, prompts, 4, 12, 0, eos) == greedy_generate(layers, prompts, 4, 12, 0, eos)
-    four_bit = _attached(load_quantized(Path(trained["model"])), adapter)
+    four_bit = attached(load_quantized(Path(trained["model"])), adapter)
     assert not four_bit.base_model.model.model.layers[0].mlp.down_proj.merged
 
 

@@ -52,7 +52,7 @@ class _ChampionCache(CachePolicy):
     identity; none when nothing is to be scored, whatever the reason: the result is None then). An unchanged re-run,
     also the first one after this adapter's own promotion, shows Cached; a new champion to score is scored. With
     eval.judge, the pair it judges too, and no key while its verdicts are not all in (the task runs, and asks the
-    missing ones)."""
+    missing ones): the run that judged stores no result, so its first re-run computes once what it then caches."""
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:

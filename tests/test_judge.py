@@ -338,6 +338,10 @@ def test_a_run_with_a_suite_and_a_judge_shows_both_and_a_rerun_is_cached(
     with get_client(sync_client=True) as client:
         tables = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["judge-verdicts"]))) if str(a.flow_run_id).startswith(prefix)]
+        metrics_table = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["eval-metrics"]))) if str(a.flow_run_id).startswith(prefix)]
+    shown = {row["model"]: row for row in json.loads(metrics_table[0].data)}
+    assert shown["base"]["suite next_day (acc)"] == f"{m['base_suites']['next_day']:.4f}"
     rows = json.loads(tables[0].data)
     assert len(rows) == PROMPTS and {"verdict, challenger as A", "verdict, challenger as B", "base's answer",
                                      "challenger's answer", "judge's text (challenger as A)"} <= set(rows[0])

@@ -658,6 +658,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
               + (f", ROUGE-L {m['champion_rouge_l']:.3f}" if m.get("champion_rouge_l") is not None else "")
               + (f", {measure.label} {m[f'champion_{measure.key}']:.3f} (tuned {m[f'tuned_{measure.key}']:.3f})"
                  if measure != methods.LOSS and m.get(f"champion_{measure.key}") is not None else ""))
+    for line in _answers_lines(m):
+        print(line)
     if "promotion" in m:
         print(f"export {m['export_version']} (published {m['export_published']}) {m['promotion']}"
               f"{' by the ' + m['gate_rule'] + ' rule' if m.get('gate_rule') else ''}: "
@@ -667,6 +669,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary.get("serving"):
         print(f"serving (vLLM at {summary['serving']['url']}): {summary['serving']['message']}")
     print(f"adapter: {summary['export_dir']}\nrun record: {summary['run_dir']}/run.json")
+
+
+def _answers_lines(m: dict[str, Any]) -> list[str]:
+    """The regression suites (base -> tuned, and the champion's) and the judged win rate, when the run had them."""
+    lines = []
+    for name, suite in (m.get("suites") or {}).items():
+        champion = (m.get("champion_suites") or {}).get(name)
+        lines.append(f"suite {name} ({suite['metric']}, tolerance {suite['tolerance']:g}): base "
+                     f"{_three((m.get('base_suites') or {}).get(name))} -> tuned "
+                     f"{_three((m.get('tuned_suites') or {}).get(name))}"
+                     + (f"; champion {m.get('judged_against')} {_three(champion)}" if champion is not None else ""))
+    judge = m.get("judge") or {}
+    if judge.get("status") == "judged":
+        lines.append(f"judge {judge['model']} against {judge['against']}: win rate {judge['win_rate']:.3f} over "
+                     f"{judge['prompts']} prompts in both orders ({judge['wins']} won, {judge['ties']} tied, "
+                     f"{judge['losses']} lost, {judge['unparseable']} unparseable), {judge['confidence']:.0%} lower "
+                     f"bound {judge['lower_bound']:.3f} (needed {judge['min_win_rate']:g})")
+    elif judge:
+        lines.append(f"judge {judge.get('model')}: no verdict ({judge.get('reason')})")
+    return lines
 
 
 def _method_line(method: Any, m: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from prefect import flow
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
+from tasks.evaluate_adapter.checks import check_evaluation
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
@@ -47,6 +48,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     rewards.check(config.train, runs)  # so does a reward the deployment does not allow, or one that does not load
     tracking.check(config)  # so does a tracking server that does not answer, or a URI with a secret in it
+    check_evaluation(config.eval, config.train)  # so do suites that cannot run and a judge that does not answer
     prefetch_fingerprint(config.model, runs)  # prepare_model's key hashed while prepare_data runs
     data_dir = prepare_data(config.data, config.model, runs)  # first: bad data fails before any GPU work
     model_dir = prepare_model(config.model, runs)

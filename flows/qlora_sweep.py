@@ -13,6 +13,7 @@ from flows import sweep_runner
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
+from tasks.evaluate_adapter.checks import check_evaluation
 from tasks.evaluate_adapter.stage import evaluate_adapter
 from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
@@ -67,6 +68,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     plan = expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
+    check_evaluation(config.eval, config.train)  # so do suites that cannot run and a judge that does not answer
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     for candidate in plan.candidates:  # so is a reward function the deployment does not allow (grpo)
         rewards.check(candidate.config.train, candidate.config.runs_dir)

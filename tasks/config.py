@@ -532,6 +532,103 @@ class SpeedArgs(_Section):
     )
 
 
+class SuiteArgs(_Section):
+    """One regression suite of the promotion gate: an lm-evaluation-harness task the challenger must not score worse
+    on than the champion (or, for a first version, the base model) by more than its tolerance."""
+
+    task: str = Field(
+        ..., min_length=1, description="An lm-evaluation-harness task: a built-in one by name (arc_easy; its dataset "
+        "must be reachable or in the Hugging Face cache) or a local task file (a path ending in .yaml) whose "
+        "data files (JSONL, Parquet), named relative to it, lie on this machine. Its content is part of the "
+        "evaluation's cache key.",
+    )
+    metric: str | None = Field(None, description="The task's metric the gate compares (acc, acc_norm, "
+                               "exact_match, ...). Empty: the task's first.")
+    tolerance: float = Field(
+        0.0, ge=0.0, description="How much worse than the champion's (or the base model's) score the challenger may "
+        "score, in the metric's own units (0.02: two points of an accuracy); 0: no worse at all.",
+    )
+    limit: int | None = Field(None, gt=0, description="At most this many of the task's examples. Empty: all.")
+
+
+JUDGE_LABELS = ("A", "B", "tie")  # the verdicts a judge may give: answer A, answer B, or neither
+
+
+class JudgeArgs(_Section):
+    """A pairwise judge of the promotion gate: an LLM behind an OpenAI-compatible endpoint compares the challenger's
+    and the champion's (or, for a first version, the base model's) answers to the same held-out prompts."""
+
+    url: str | None = Field(
+        None, description="The judge's OpenAI-compatible API (http://host:8000/v1 for a vLLM server; "
+        "https://api.openai.com/v1), without credentials. Empty: no judge.",
+        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+    )
+    model: str = Field("", max_length=200, description="The judge model's name, as the endpoint serves it.")
+    api_key_env: str | None = Field(
+        None, max_length=100, description="The NAME of the environment variable that holds the endpoint's API key "
+        "(e.g. OPENAI_API_KEY), read by the process that runs the flow; never the key itself. Empty: no key.",
+    )
+    prompts: int = Field(16, gt=0, description="Held-out prompts judged: the first of the eval.generation_samples "
+                         "prompts answered greedily (so at most that many).")
+    rubric: str | None = Field(
+        None, description="A template file for the judge's prompt, with {prompt}, {answer_a} and {answer_b} in it; "
+        "its content is part of the cache key. Empty: the built-in rubric (docs/registry.md).",
+    )
+    api: Literal["chat", "completions"] = Field(
+        "chat", description="chat: /chat/completions (an instruction-tuned judge); completions: /completions, the "
+        "rubric as a plain prompt (a base model, or a server without a chat template).",
+    )
+    constrain: Literal["json_schema", "choice", "none"] = Field(
+        "json_schema", description="How the verdict is held to A, B or tie: json_schema (OpenAI's response_format, "
+        "which vLLM, OpenAI and llama.cpp's server take), choice (vLLM's structured_outputs), none (free text, read "
+        "by a strict parser; anything else counts as unparseable, never as a win).",
+    )
+    max_tokens: int = Field(32, gt=0, description="Most tokens of one verdict.")
+    min_win_rate: float = Field(
+        0.5, ge=0.0, le=1.0, description="The gate promotes only when the lower confidence bound of the challenger's "
+        "win rate (ties count half) is at least this.",
+    )
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence of that lower bound (Wilson score "
+                              "interval, one-sided).")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one verdict.")
+    retries: int = Field(2, ge=0, le=10, description="Retries of a verdict the judge did not give (down, timed out, "
+                         "an error or an unreadable answer), with a pause that doubles; then the run keeps the "
+                         "champion.")
+
+    @field_validator("url")
+    @classmethod
+    def _api_root(cls, value: str | None) -> str | None:
+        return None if value is None else judge_root(value)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_name(cls, value: str | None) -> str | None:
+        # a name, not a secret: keys have dashes, dots or more than a name's length; a name is letters, digits, _
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", value):
+            raise ValueError("must be the NAME of an environment variable (letters, digits and _, e.g. "
+                             "OPENAI_API_KEY), not the key itself: put the key in that variable")
+        return value
+
+
+def judge_root(url: str) -> str:
+    """eval.judge.url as scheme://host[:port]/path (a trailing / dropped; /v1 when no path is given); ValueError with
+    the fix for one with credentials or that is not an API root."""
+    from urllib.parse import urlsplit
+
+    # refused, not masked: a secret kept in the config reaches Prefect's database, run.json and the manifests
+    if kinds := credentials.found(url):
+        raise ValueError(f"eval.judge.url={credentials.mask(url)} holds credentials ({' and '.join(kinds)}), which "
+                         "would be written into the run's records and Prefect's flow-run parameters. Give the URL "
+                         "without them, put the key in an environment variable of the process that runs the flow "
+                         "and name that variable in eval.judge.api_key_env")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"eval.judge.url={url!r} is not the root of an OpenAI-compatible API: give "
+                         "http(s)://host:port/v1, e.g. http://127.0.0.1:8000/v1, without a query")
+    path = parts.path.rstrip("/") or "/v1"
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
 class EvalArgs(_Section):
     """Evaluation of base and base + adapter on the held-out split (stage evaluate_adapter)."""
 
@@ -555,11 +652,44 @@ class EvalArgs(_Section):
                                 "its answer).")
     lm_eval_tasks: list[str] = Field(
         default_factory=list, description="lm-evaluation-harness tasks (e.g. hellaswag, arc_easy) run on the base "
-        "and the tuned model. Needs `pip install lm-eval` and the tasks' datasets; skipped with a note otherwise.",
+        "and the tuned model, reported beside the metrics (eval.suites gates on them). Needs the eval extra (lm-eval) "
+        "and the tasks' datasets: a run without them stops before any stage.",
     )
     limit: int | None = Field(
         None, gt=0, description="lm-evaluation-harness: at most this many examples per task. Empty: all.",
     )
+    suites: list[SuiteArgs] = Field(
+        default_factory=list, description="Regression suites of the promotion gate: lm-evaluation-harness tasks "
+        "(built-in, or local task files) scored on base, tuned and the champion; a version is promoted only when it "
+        "scores no lower than the champion (for a first version, the base model) by more than each suite's "
+        "tolerance. Needs the eval extra (lm-eval). Empty: none.",
+    )
+    judge: JudgeArgs = Field(
+        default_factory=JudgeArgs, description="A pairwise judge of the promotion gate (an LLM behind an "
+        "OpenAI-compatible endpoint): it compares the challenger's and the champion's answers to held-out prompts in "
+        "both orders; a version is promoted only when the lower bound of its win rate is at least min_win_rate. "
+        "Off while url is empty.",
+    )
+
+    @field_validator("suites")
+    @classmethod
+    def _distinct_tasks(cls, value: list[SuiteArgs]) -> list[SuiteArgs]:
+        twice = sorted({s.task for s in value if [t.task for t in value].count(s.task) > 1})
+        if twice:
+            raise ValueError(f"names the task {', '.join(twice)} more than once: one suite per task")
+        return value
+
+    @model_validator(mode="after")
+    def _judge_reads_the_answers(self) -> EvalArgs:
+        judge = self.judge
+        if judge.url is not None and not judge.model:
+            raise ValueError("eval.judge.url is set but eval.judge.model is empty: name the judge model as the "
+                             "endpoint serves it")
+        if judge.url is not None and judge.prompts > self.generation_samples:
+            raise ValueError(f"eval.judge.prompts={judge.prompts} is more than eval.generation_samples="
+                             f"{self.generation_samples}: the judge reads the greedy answers evaluation gives; raise "
+                             "eval.generation_samples or lower eval.judge.prompts")
+        return self
 
 
 _MEASURES = tuple(dict.fromkeys(m.measure for m in methods.METHODS))
@@ -841,7 +971,8 @@ class RunConfig(_Section):
                              "pick what the hardware supports; change them only to tune speed or memory "
                              "(docs/performance.md).")
     eval: EvalArgs = Field(default_factory=EvalArgs, title="Evaluation", description="Held-out loss, greedy answers "
-                           "scored against references, optional lm-evaluation-harness tasks.")
+                           "scored against references, optional lm-evaluation-harness tasks, and what the gate judges "
+                           "besides: regression suites and a pairwise judge.")
     export: ExportArgs = Field(default_factory=ExportArgs, title="Export and promotion", description="The registry "
                                "name the adapter is published under and the gate that makes it champion.")
     track: TrackArgs = Field(default_factory=TrackArgs, title="Experiment tracking", description="MLflow and "
@@ -999,13 +1130,30 @@ def reference_table() -> str:
     sections = {"": RunConfig, **{name: f.annotation for name, f in RunConfig.model_fields.items()
                                   if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}}
     for prefix, model in sections.items():
-        defaults = model().model_dump(mode="json")  # as a YAML file or the form spells them ("auto", not null)
-        for name, info in model.model_fields.items():
-            if prefix == "" and name in sections:
-                continue
-            shown = "null" if defaults[name] is None else str(defaults[name])
-            lines.append(f"| `{prefix + '.' if prefix else ''}{name}` | `{shown}` | {info.description or ''} |")
+        lines += _reference_rows(prefix, model, skip=set(sections) if prefix == "" else set())
     return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, model: type[BaseModel], skip: set[str]) -> list[str]:
+    """The table's rows of one section, a field holding a section of its own (eval.judge) or a list of them
+    (eval.suites) followed by that section's fields (eval.judge.url, eval.suites[].task)."""
+    lines = []
+    defaults = {name: info.get_default(call_default_factory=True) for name, info in model.model_fields.items()
+                if not info.is_required()}
+    shown_defaults = model.model_construct(**defaults).model_dump(mode="json")  # as YAML or the form spells them
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        inner = info.annotation
+        shown = ("required" if info.is_required() else "the fields below" if isinstance(inner, type) and issubclass(
+            inner, _Section) else "null" if shown_defaults[name] is None else str(shown_defaults[name]))
+        dotted = f"{prefix + '.' if prefix else ''}{name}"
+        lines.append(f"| `{dotted}` | `{shown}` | {info.description or ''} |")
+        item = next(iter(getattr(inner, "__args__", ())), None) if getattr(inner, "__origin__", None) is list else None
+        for nested, suffix in ((inner, ""), (item, "[]")):
+            if isinstance(nested, type) and issubclass(nested, _Section):
+                lines += _reference_rows(dotted + suffix, nested, skip=set())
+    return lines
 
 
 if __name__ == "__main__":  # python -m tasks.config: the table in docs/configuration.md

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -104,44 +102,7 @@ def test_evaluate_is_deterministic(trained: dict[str, Any], tmp_path: Path) -> N
         assert (again / name).read_bytes() == (Path(trained["eval"]) / name).read_bytes()
 
 
-def test_lm_eval_tasks_skipped_with_a_note_when_not_installed(trained: dict[str, Any], tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError, even if installed
-    args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["hellaswag"])
-    with caplog.at_level(logging.WARNING):
-        folder = Path(evaluate_adapter.fn(args, tmp_path, trained["data"], trained["model"], trained["adapter"]))
-    assert read_manifest(folder).metrics.model_dump(exclude_unset=True)["lm_eval"] == "skipped: lm_eval not installed"
-    assert "eval.lm_eval_tasks=['hellaswag'] skipped: lm-evaluation-harness is not installed" in caplog.text
-    assert not (folder / "lm_eval.json").exists()
-
-
-def test_lm_eval_tasks_run_on_base_and_tuned_when_installed(trained: dict[str, Any], tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-
-    class HFLM:  # records what the harness would be handed
-        def __init__(self, pretrained: Any, tokenizer: Any, batch_size: int) -> None:
-            self.model = pretrained
-
-    def simple_evaluate(model: HFLM, tasks: list[str], limit: int | None) -> dict[str, Any]:
-        calls.append({"peft": type(model.model).__name__.startswith("Peft"), "tasks": tasks, "limit": limit})
-        return {"results": {tasks[0]: {"acc,none": 0.25 + 0.5 * calls[-1]["peft"]}}}
-
-    fake = types.ModuleType("lm_eval")
-    fake.simple_evaluate = simple_evaluate
-    huggingface = types.ModuleType("lm_eval.models.huggingface")
-    huggingface.HFLM = HFLM
-    monkeypatch.setitem(sys.modules, "lm_eval", fake)
-    monkeypatch.setitem(sys.modules, "lm_eval.models", types.ModuleType("lm_eval.models"))
-    monkeypatch.setitem(sys.modules, "lm_eval.models.huggingface", huggingface)
-    args = EvalArgs(max_samples=4, generation_samples=0, lm_eval_tasks=["arc_easy"], limit=10)
-    folder = Path(evaluate_adapter.fn(args, tmp_path, trained["data"], trained["model"], trained["adapter"]))
-    assert calls == [{"peft": False, "tasks": ["arc_easy"], "limit": 10}, {"peft": True, "tasks": ["arc_easy"],
-                                                                           "limit": 10}]
-    assert json.loads((folder / "lm_eval.json").read_text()) == {"base": {"arc_easy": {"acc,none": 0.25}},
-                                                                 "tuned": {"arc_easy": {"acc,none": 0.75}}}
-    assert read_manifest(folder).metrics.model_dump(exclude_unset=True)["lm_eval"] == "lm_eval.json"
+# eval.lm_eval_tasks without lm-eval, and with a real local task: tests/test_suites.py
 
 
 # --- export_adapter -----------------------------------------------------------------------------------------------
@@ -323,25 +284,26 @@ def test_dequantized_evaluation_equals_the_4bit_path(trained: dict[str, Any]) ->
 
 
 def test_merged_adapter_scores_as_peft_layers_do(trained: dict[str, Any]) -> None:
-    """evaluate_adapter merges the adapter into a dequantized base (_attached): the same loss as peft's own LoRA
+    """evaluate_adapter merges the adapter into a dequantized base (outputs.attached): the same loss as peft's own LoRA
     layers beside the weights, up to float rounding, and the same greedy answers; on a 4-bit base it keeps them."""
     from peft import PeftModel
 
     from tasks.evaluate_adapter.generation import greedy_generate
-    from tasks.evaluate_adapter.sequences import _attached, mean_loss
+    from tasks.evaluate_adapter.outputs import attached
+    from tasks.evaluate_adapter.sequences import mean_loss
     from tasks.models.dequantize import dequantize_in_place
     from tasks.models.loading import load_quantized
 
     batches, prompts, eos = _eval_inputs(trained, 4)
     adapter = Path(trained["adapter"]) / "adapter"
     layers = PeftModel.from_pretrained(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
-    merged = _attached(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
+    merged = attached(dequantize_in_place(load_quantized(Path(trained["model"]))), adapter)
     assert merged.base_model.model.model.layers[0].mlp.down_proj.merged
     assert not layers.base_model.model.model.layers[0].mlp.down_proj.merged
     (loss, tokens), (same, same_tokens) = mean_loss(merged, batches), mean_loss(layers, batches)
     assert tokens == same_tokens and abs(loss - same) < 1e-5 * same  # fp32 on CPU: rounding only
     assert greedy_generate(merged, prompts, 4, 12, 0, eos) == greedy_generate(layers, prompts, 4, 12, 0, eos)
-    four_bit = _attached(load_quantized(Path(trained["model"])), adapter)
+    four_bit = attached(load_quantized(Path(trained["model"])), adapter)
     assert not four_bit.base_model.model.model.layers[0].mlp.down_proj.merged
 
 

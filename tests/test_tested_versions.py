@@ -20,7 +20,7 @@ from tasks.config import PROJECT_ROOT, TrackArgs
 from tasks.tested_versions import CONSTRAINTS, KEY_LIBRARIES, warn_untested_versions
 from tests.conftest import flow_run_logs
 
-EXTRAS = {"dev", "tracking", "serving"}  # the README's install line
+EXTRAS = {"dev", "tracking", "serving", "eval"}  # the README's install line
 
 
 def _needed(root: str, extras: set[str]) -> set[str]:

@@ -7,7 +7,8 @@ adapter merged into it), on the very same batches and prompts:
 - the token-weighted mean loss over label tokens, and its perplexity;
 - greedy answers to the first eval.generation_samples prompts (the tokens before each example's first label token),
   scored against the reference answers (its label tokens): exact match and ROUGE-L;
-- optionally lm-evaluation-harness tasks (eval.lm_eval_tasks) when lm_eval is installed.
+- optionally lm-evaluation-harness tasks (eval.lm_eval_tasks), reported (the gated ones are eval.suites:
+  suites.py).
 
 The base model's results are kept in runs_dir/evaluate_adapter/.memo/ (_memo), where the next evaluation on the same
 eval data, model and settings takes them instead of computing them again; score_champion keeps the champion's there
@@ -26,9 +27,9 @@ from typing import Any
 
 from tasks.config import EvalArgs
 from tasks.errors import UserError
-from tasks.evaluate_adapter import VERSION
+from tasks.evaluate_adapter import VERSION, keys, suites
 from tasks.evaluate_adapter.generation import by_length, generation_tokens, greedy_generate, score, split_prompt
-from tasks.evaluate_adapter.outputs import samples, without_cudnn_attention, write
+from tasks.evaluate_adapter.outputs import attached, samples, without_cudnn_attention, write
 from tasks.hashing.keys import cache_key
 from tasks.log import logger
 from tasks.models.loading import load_for_evaluation, load_tokenizer
@@ -103,35 +104,17 @@ class _Base:
         self.in_4bit = bool(getattr(self.model, "is_loaded_in_4bit", False))
 
 
-def _attached(model: Any, adapter: Path) -> Any:
-    """base + the adapter in `adapter`: merged into the weights of a dequantized base, else peft's LoRA layers on
-    the 4-bit one.
-
-    Why merged: a merged layer is one matmul, where peft's LoRA adds two more in float32 (the adapter's dtype) and
-    its casts, which made the tuned passes slower than the base model's (docs/performance.md, "Evaluation").
-    The tuned numbers are then those of the merged weights, each rounded to the compute dtype once, as export.merge
-    writes them."""
-    from peft import PeftModel
-
-    # peft's default load, not low_cpu_mem_usage: that one rounds the adapter's float32 weights to the base's bf16
-    # on the way in (checked against the file, peft 0.21), which moved the 8B job's tuned eval loss by 1e-5
-    attached = PeftModel.from_pretrained(model, adapter)
-    if not getattr(model, "is_loaded_in_4bit", False):
-        attached.merge_adapter()
-    return attached
-
-
 def _evaluate_all(base: _Base, adapter: Path, tokenizer: Any, batches: list[dict[str, Any]],
                   prompts: list[list[int]], args: EvalArgs, run_lm_eval: bool, memo: Path | None
                   ) -> dict[str, dict[str, Any]]:
-    """base and tuned results, the adapter attached to the base (_attached); the base's taken from `memo` when an
+    """base and tuned results, the adapter attached to the base (attached); the base's taken from `memo` when an
     earlier evaluation left them there."""
 
     def evaluate(label: str, model: Any) -> dict[str, Any]:
         return _evaluate(label, model, tokenizer, batches, prompts, args, run_lm_eval)
 
     results = {"base": _remembered(memo, "base", lambda: evaluate("base", base.model))}
-    results["tuned"] = evaluate("tuned", _attached(base.model, adapter))
+    results["tuned"] = evaluate("tuned", attached(base.model, adapter))
     return results
 
 
@@ -152,7 +135,7 @@ def _memo(runs_dir: Path, data_dir: Path, model_dir: Path, args: EvalArgs, in_4b
     if not digest:
         return None
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
-    inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": args.model_dump(),
+    inputs = {"version": VERSION, "eval_data": digest, "model": upstream_key(model_dir), "eval": keys.scored(args),
               "in_4bit": in_4bit, "device": where, "torch": torch.__version__}
     return runs_dir / "evaluate_adapter" / ".memo" / cache_key(inputs)
 
@@ -205,7 +188,7 @@ def _metrics(results: dict[str, dict[str, Any]], refs: list[str], count: int, ar
     metrics.update({f"{who}_rouge_l": s["rouge_l"] for who, s in scored.items()})
     metrics.update(generation_samples=len(refs), max_new_tokens=args.max_new_tokens)
     if args.lm_eval_tasks:
-        metrics["lm_eval"] = "lm_eval.json" if base["lm_eval"] is not None else "skipped: lm_eval not installed"
+        metrics["lm_eval"] = "lm_eval.json"
     return metrics
 
 
@@ -221,24 +204,20 @@ def _readable(m: dict[str, Any]) -> str:
 
 
 def _lm_eval_available(tasks: list[str]) -> bool:
+    """Whether eval.lm_eval_tasks asks for tasks; a UserError when lm-evaluation-harness is not installed (never a
+    silent skip: the flow's check says so before any stage, this says it to a stage called alone)."""
     if not tasks:
         return False
-    try:
-        import lm_eval  # noqa: F401 - optional dependency, only probed
-    except ImportError:
-        logger().warning("evaluate_adapter: eval.lm_eval_tasks=%s skipped: lm-evaluation-harness is not installed "
-                         "(pip install lm-eval; its tasks' datasets must be reachable or cached)", tasks)
-        return False
+    if suites.installed() is None:
+        raise UserError(f"eval.lm_eval_tasks={tasks} is set, but {suites.NOT_INSTALLED}; or empty "
+                        "eval.lm_eval_tasks.")
     return True
 
 
 def _lm_eval(model: Any, tokenizer: Any, args: EvalArgs) -> dict[str, Any]:
-    """lm-evaluation-harness results per task for an in-memory model (base, or base + adapter)."""
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.per_device_eval_batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(args.lm_eval_tasks), limit=args.limit)["results"]
+    """lm-evaluation-harness results per task for an in-memory model (base, or base + adapter): built-in tasks by
+    name, local task files as eval.suites takes them."""
+    return suites.results(model, tokenizer, args.lm_eval_tasks, args.per_device_eval_batch_size, args.limit)
 
 
 def mean_loss(model: Any, batches: list[dict[str, Any]]) -> tuple[float, int]:
@@ -290,6 +269,14 @@ def champion(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, ad
             "champion_exact_match": scored["exact_match"], "champion_rouge_l": scored["rouge_l"]}
 
 
+def champion_answers(runs_dir: Path, eval_dir: Path, identity: str | None) -> list[str] | None:
+    """The champion's greedy answers to this evaluation's held-out prompts, as score_champion remembered them beside
+    its base results (what the judge compares); None when they are not there."""
+    memo = read_manifest(eval_dir).metrics.memo if identity else None
+    path = runs_dir / "evaluate_adapter" / ".memo" / memo / f"champion-{identity}.json" if memo else None
+    return json.loads(path.read_text())["answers"] if path is not None and path.is_file() else None
+
+
 def _champion_results(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir: Path, folder: Path,
                       identity: str | None, examples: ParquetExamples, count: int, prompts: list[list[int]]
                       ) -> dict[str, Any]:
@@ -299,7 +286,7 @@ def _champion_results(args: EvalArgs, runs_dir: Path, data_dir: Path, model_dir:
     batches = _batches(examples, count, args.per_device_eval_batch_size, base.model.config.pad_token_id or 0)
     memo = _memo(runs_dir, data_dir, model_dir, args, base.in_4bit) if identity else None
     results = _remembered(memo, f"champion-{identity}", lambda: _evaluate(
-        "champion", _attached(base.model, folder), tokenizer, batches, prompts, args, False))
+        "champion", attached(base.model, folder), tokenizer, batches, prompts, args, False))
     base.model = None
     release_device_memory()
     return results

@@ -57,11 +57,21 @@ METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exact
 def spec(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: str, adapter_dir: str,
          eval_dir: str, judged: dict[str, Any] | None = None) -> StageSpec:
     """Cache-key inputs: export settings and the four upstream stages (not `judged`, the champion's scores: the
-    champion changes as runs publish, while this export does not)."""
+    champion changes as runs publish, while this export does not). One exception: a verdict given without the
+    judge's say, because the judge could not be reached, is an export of its own (params' judge), so that the next
+    run, the judge back, judges and publishes this adapter again instead of reusing that verdict."""
+    unjudged = {"judge": UNJUDGED} if _unjudged(judged) else {}
     return StageSpec(stage="export_adapter", version=VERSION if args.gguf else _VERSION_WITHOUT_GGUF, runs_dir=runs_dir,
-                     params={"export": registry.settings(args.model_dump())},
+                     params={"export": registry.settings(args.model_dump()), **unjudged},
                      upstream={"prepare_data": Path(data_dir), "prepare_model": Path(model_dir),
                                "train_adapter": Path(adapter_dir), "evaluate_adapter": Path(eval_dir)})
+
+
+UNJUDGED = "could not be reached"  # the judge's status behind such an export
+
+
+def _unjudged(judged: dict[str, Any] | None) -> bool:
+    return ((judged or {}).get("judge") or {}).get("status") == "unreachable"
 
 
 @task(name="export_adapter", **stage_task_options(spec))
@@ -69,7 +79,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
                    eval_dir: str, judged: dict[str, Any] | None = None) -> str:
     """Write the adapter, tokenizer, model card and run config; publish them as a registry version, judged against
     the champion's scores on this run's eval data (`judged`: score_champion's, None when it scored none)."""
-    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir)) as stage:
+    with open_stage(spec(args, runs_dir, data_dir, model_dir, adapter_dir, eval_dir, judged)) as stage:
         if stage.done:
             registry.repair(registry.registry_dir(runs_dir, args.name), stage.dir)  # logs what it repaired
             return str(stage.dir)
@@ -84,6 +94,7 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         outputs = _copy_files(Path(adapter_dir) / "adapter", stage.dir,
                               names=["adapter_config.json", "adapter_model.safetensors"])
         outputs += _copy_files(Path(model_dir), stage.dir, names=_tokenizer_files(Path(model_dir)))
+        outputs += _judge_verdicts(runs_dir, stage.dir, judged)
         config = _run_config(manifests, args)
         point_at_base_model(stage.dir / "adapter_config.json", config["model"]["base_model"])
         (stage.dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -96,7 +107,8 @@ def export_adapter(args: ExportArgs, runs_dir: Path, data_dir: str, model_dir: s
         (stage.dir / "README.md").write_text(card(stage.dir, None))
         root = registry.registry_dir(runs_dir, args.name)
         record = registry.publish(root, stage.dir, stage.key, _gate_metrics(manifests, judged), args.promotion_margin,
-                                  manifests["prepare_data"].key, card, _lineage(manifests, Path(model_dir), args),
+                                  manifests["prepare_data"].key, card,
+                                  _lineage(manifests, Path(model_dir), args, _unjudged(judged)),
                                   accept_new_measure=args.accept_new_measure)
         logger().info("export_adapter: %s %s %s: %s", args.name, record["version"], record["promotion"],
                       record["reason"])
@@ -113,14 +125,27 @@ def _gate_metrics(manifests: dict[str, Manifest], judged: dict[str, Any] | None)
     return {**own, **(judged or {})}
 
 
-def _lineage(manifests: dict[str, Manifest], model_dir: Path, args: ExportArgs) -> dict[str, Any]:
+def _lineage(manifests: dict[str, Manifest], model_dir: Path, args: ExportArgs, unjudged: bool = False
+             ) -> dict[str, Any]:
     """What the version record keeps for later runs: the base model and train_adapter key (to score it on their
-    data), what its evaluation measured (like with like), its evaluation key and export settings (published)."""
+    data), what its evaluation measured (like with like), its evaluation key and export settings (published; an
+    export the judge could not judge is marked, so that a later run does not take it for published)."""
     return {"base_model": registry.base_identity(model_dir), "adapter_key": manifests["train_adapter"].key,
             "method": manifests["train_adapter"].method().name,
             "measure": registry.measure(manifests["prepare_data"].metrics.model_dump()),
             "evaluation": manifests["evaluate_adapter"].key,
-            "export": registry.settings(args.model_dump(mode="json"))}
+            "export": {**registry.settings(args.model_dump(mode="json")), **({"judge": UNJUDGED} if unjudged else {})}}
+
+
+def _judge_verdicts(runs_dir: Path, folder: Path, judged: dict[str, Any] | None) -> list[str]:
+    """The judge's verdicts (both answers, both orders, the judge's text) copied beside the adapter, so that the
+    version keeps what it was judged on: judge-verdicts.jsonl, or nothing without a judge."""
+    kept = ((judged or {}).get("judge") or {}).get("verdicts")
+    source = Path(runs_dir).expanduser().resolve() / kept if kept else None
+    if source is None or not source.is_file():
+        return []
+    shutil.copyfile(source, folder / "judge-verdicts.jsonl")
+    return ["judge-verdicts.jsonl"]
 
 
 def _stage_metrics(root: Path, name: str, record: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +289,31 @@ def _metric(metrics: dict[str, Any], who: str, key: str) -> Any:
     return (value or {}).get(inner) if inner else value
 
 
+def _gated_answers(metrics: dict[str, Any], judged: str | None) -> str:
+    """The card's regression suites (eval.suites) and the pairwise judge's verdict (eval.judge), when the run had
+    them: what the gate judged besides the method's measure."""
+    lines, suites = [], metrics.get("suites") or {}
+    if suites:
+        lines += ["", "Regression suites (lm-evaluation-harness; the gate allows each its tolerance below the "
+                  f"{'champion' if judged else 'base model'}):", "",
+                  "| suite | metric | base |" + (f" champion {judged} |" if judged else "") + " tuned | tolerance |",
+                  "|---|---|---|---|---|" + ("---|" if judged else "")]
+        for name, suite in suites.items():
+            who = ["base", *(["champion"] if judged else []), "tuned"]
+            lines.append(f"| {name} | {suite['metric']} | " + " | ".join(
+                _fmt((metrics.get(f"{w}_suites") or {}).get(name)) for w in who) + f" | {suite['tolerance']:g} |")
+    judge = metrics.get("judge")
+    if judge and judge.get("status") == "judged":
+        lines += ["", f"Pairwise judge `{judge['model']}`: win rate {judge['win_rate']:.3f} against {judge['against']} "
+                  f"over {judge['prompts']} held-out prompts, each judged in both orders ({judge['wins']} won, "
+                  f"{judge['ties']} tied, {judge['losses']} lost, {judge['unparseable']} unparseable); its "
+                  f"{judge['confidence']:.0%} lower bound {judge['lower_bound']:.3f}, needed at least "
+                  f"{judge['min_win_rate']:g}. The verdicts are in `judge-verdicts.jsonl`."]
+    elif judge:
+        lines += ["", f"Pairwise judge `{judge['model']}`: no verdict ({judge.get('reason')})."]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def model_card(name: str, manifests: dict[str, Manifest], config: dict[str, Any], folder: Path,
                record: dict[str, Any] | None, ggufs: list[str] | None = None) -> str:
     """The README.md shipped with the adapter in `folder`; `record` is its registry verdict, once known."""
@@ -325,7 +375,7 @@ exact match and ROUGE-L of greedy answers to {metrics.get('generation_samples', 
 
 {header}
 {table}
-
+{_gated_answers(metrics, judged)}
 ## Load it
 
 ```python

@@ -138,6 +138,12 @@ class ChampionScores(_Metrics):
     champion_rewards: dict[str, float | None] | None = None
     champion_pairwise_accuracy: float | None = None
     champion_score_margin: float | None = None
+    # regression suites (eval.suites; evaluate_adapter/suites.py): the champion's score per suite, by task name
+    champion_suites: dict[str, float | None] | None = None
+    # the pairwise judge (eval.judge; evaluate_adapter/judging.py): the challenger against the champion (or, with none,
+    # the base model): status (judged, or why not), against, wins, ties, losses, unparseable, win_rate, lower_bound,
+    # min_win_rate, confidence, prompts, the judge's model and URL, verdicts (the file of them)
+    judge: dict[str, Any] | None = None
 
 
 class EvalMetrics(ChampionScores):
@@ -186,6 +192,13 @@ class EvalMetrics(ChampionScores):
     tuned_pairwise_accuracy: float | None = None
     base_score_margin: float | None = None
     tuned_score_margin: float | None = None
+    # regression suites (eval.suites; evaluate_adapter/suites.py): per suite (by task name) its task, metric,
+    # tolerance, whether higher is better and on how many examples; and the base and tuned scores
+    suites: dict[str, dict[str, Any]] | None = None
+    base_suites: dict[str, float | None] | None = None
+    tuned_suites: dict[str, float | None] | None = None
+    # eval.judge: the judge (model at URL) whose verdict the gate needs; its verdict is score_champion's (judge)
+    judged_by: str | None = None
     # where the base model's results on this eval data are remembered (runs_dir/evaluate_adapter/.memo/<memo>), so
     # the champion's are looked up there without loading the model (score_champion); None: eval.parquet unhashed
     memo: str | None = None

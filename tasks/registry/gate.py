@@ -17,6 +17,11 @@ sweep ranks its candidates with `gate` (margin 0). In order:
 - **Cross-night fallback**: a champion that cannot be scored here (another base model, no recorded hashes, damaged
   beyond repair, or one that changed after this run scored another) is compared by its own night's numbers, with
   the reason.
+
+Where the run has them, the rules of answers.py come after whichever of the last three decided: no regression suite
+may fall by more than its tolerance, and the pairwise judge's lower bound must reach its min_win_rate; a version that
+passes the measure's rule but not one of those is rejected by it (rule suites or judge), and one whose judge gave no
+verdict keeps the champion.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 from tasks import methods
 from tasks.hashing.keys import cache_key
 from tasks.methods import Measure
+from tasks.registry import answers
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -125,9 +131,11 @@ def verdict(record: dict[str, Any], current: dict[str, Any] | None, champion_for
     accepted = f"new measure accepted (export.accept_new_measure): {unlike}; " if unlike else ""
     if unlike and rule(metrics, current) != "same-data":  # the champion's own numbers are of the old measure
         promotion, reason = _first(metrics, margin, method.measure)
-        return promotion, f"{accepted}judged against the base model instead: {reason.removeprefix(_FIRST)}", "first"
+        return answers.judged(metrics, current, promotion,
+                              f"{accepted}judged against the base model instead: {reason.removeprefix(_FIRST)}",
+                              "first")
     promotion, reason = gate(metrics, current, margin, eval_data, method.measure, why_not_same_data)
-    return promotion, accepted + reason, rule(metrics, current)
+    return answers.judged(metrics, current, promotion, accepted + reason, rule(metrics, current))
 
 
 _HOW_TO_ACCEPT = (

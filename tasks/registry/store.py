@@ -606,8 +606,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 def history(root: Path) -> list[dict[str, Any]]:
     """One row per version with an intact record, oldest first: its tuned loss, the loss of the champion it was
     scored beside on the same night (same data), and likewise the measure its method is judged on (tasks/methods.py)
-    where that is not the loss; verdict, rule and date. The registry-history artifact and `qlora-pipeline history`
-    (which heal the registry first)."""
+    where that is not the loss; verdict, rule and date; its regression suites and judged win rate where it had them.
+    The registry-history artifact and `qlora-pipeline history` (which heal the registry first)."""
     rows = []
     for r in _records(root)[0]:
         m, measure = r["metrics"], record_method(root, r).measure
@@ -618,8 +618,32 @@ def history(root: Path) -> list[dict[str, Any]]:
         if measure != methods.LOSS:
             row.update({f"tuned {measure.label}": m.get(f"tuned_{measure.key}"),
                         f"champion same-night {measure.label}": m.get(f"champion_{measure.key}")})
-        rows.append(row)
+        rows.append({**row, **_answers_columns(m)})
     return rows
+
+
+def _answers_columns(metrics: dict[str, Any]) -> dict[str, str]:
+    """A version's regression suites (its score, and the champion's on the same night or the base model's) and its
+    judged win rate, for the history; {} for a version judged without them (the table of such a registry stays as
+    it was)."""
+    columns, suites = {}, metrics.get("suites")
+    if isinstance(suites, dict) and suites:
+        mine = metrics.get("tuned_suites") or {}
+        theirs, who = (metrics.get("champion_suites"), "champion") if metrics.get("champion_suites") else (
+            metrics.get("base_suites") or {}, "base")
+        columns["suites: tuned (against)"] = "; ".join(
+            f"{name} {_short(mine.get(name))} ({who} {_short(theirs.get(name))})" for name in suites)
+    judge = metrics.get("judge")
+    if isinstance(judge, dict):
+        columns["judged win rate"] = (
+            f"{judge['win_rate']:.3f} (lower bound {judge['lower_bound']:.3f}, needed {judge['min_win_rate']:g}; "
+            f"against {judge['against']}, {judge['prompts']} prompts)" if judge.get("status") == "judged"
+            else f"not judged: {judge.get('status')}")
+    return columns
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3f}" if _is_number(value) else "n/a"
 
 
 def _text(value: Any) -> str:

@@ -101,7 +101,8 @@ _METRIC_ROWS = [("eval loss", "eval_loss"), ("perplexity", "perplexity"), ("exac
 def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None, method: methods.Method
                ) -> list[dict[str, Any]]:
     """Rows for the eval-metrics table artifact: base, the champion scored in this run, tuned (this run's adapter),
-    all on this run's eval data; then the champion now, on its own night's data, when it is another version."""
+    all on this run's eval data; then the champion now, on its own night's data, when it is another version. A
+    column per regression suite where the run has them (eval.suites)."""
     judged = metrics.get("judged_against")
     rows = [("base", "base", metrics, "this run's")]
     if judged:
@@ -112,7 +113,9 @@ def eval_table(metrics: dict[str, Any], champion: dict[str, Any] | None, method:
     # the method's own numbers (tasks/methods.py), one number each (a reward per function is the samples' to show)
     names = _METRIC_ROWS + [(label, key) for label, key in method.shown
                             if not isinstance(metrics.get(f"tuned_{key}"), dict)]
-    return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names}}
+    suites = {f"suite {name} ({suite['metric']})": name for name, suite in (metrics.get("suites") or {}).items()}
+    return [{"model": label, "eval data": data, **{name: _fmt(m.get(f"{prefix}_{key}")) for name, key in names},
+             **{column: _fmt((m.get(f"{prefix}_suites") or {}).get(name)) for column, name in suites.items()}}
             for label, prefix, m, data in rows]
 
 

@@ -14,6 +14,7 @@ from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
+from tasks.prepare_data.sources import check_access
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.init_adapter import check_init_adapter
@@ -43,6 +44,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     """
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     runs = config.runs_dir
+    check_access(config.data)  # a source outside what the worker's operator allows is refused before any stage
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     rewards.check(config.train, runs)  # so does a reward the deployment does not allow, or one that does not load

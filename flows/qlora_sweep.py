@@ -18,6 +18,7 @@ from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
+from tasks.prepare_data.sources import check_access
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.store import check_registry
@@ -66,6 +67,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     plan = expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
+    check_access(config.data)  # a source outside what the worker's operator allows is refused before any stage
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     for candidate in plan.candidates:  # so is a reward function the deployment does not allow (grpo)

@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from tasks import credentials, methods
 
@@ -189,12 +190,16 @@ class DataArgs(_Section):
     source: InCheckout = Field(
         str(EMBEDDED_DATA.relative_to(PROJECT_ROOT)), validate_default=True,
         description="The training data: a local .jsonl, .json, .csv, .parquet or .txt file, a folder or glob of "
-        "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
+        "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id. No credentials in "
+        "a URL: the worker's environment holds them (docs/data.md).",
+        # Prefect's server checks a deployment run's parameters against this before it stores them
+        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )
     eval_source: InCheckout | None = Field(
         None, description="A fixed evaluation set, in any form data.source takes. When set, all of data.source is "
         "trained on and all of this set is evaluated; a new evaluation set re-evaluates without retraining. "
         "Empty: a share of data.source (eval_fraction) is held out for evaluation.",
+        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. wikitext-2-raw-v1). Empty: the "
                              "dataset's default configuration.")
@@ -239,15 +244,28 @@ class DataArgs(_Section):
         "examples of data.source (identical after formatting) before the run fails; any overlap is a warning with the "
         "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
     )
-    allowed_roots: list[str] | None = Field(
-        None, description="Folders (or URL prefixes such as s3://bucket/) that data.source must lie in; hub dataset "
-        "ids are always allowed. Set it in a deployment, so that a run started from the UI cannot read other files "
-        "of the worker. Empty: no restriction.",
+    # not in the form: what a worker may read is its operator's (QLORA_DATA_ROOTS, tasks/allowed.py), which a run
+    # form could otherwise widen; configs that still carry it are read, and it can only narrow (prepare_data/sources.py)
+    allowed_roots: SkipJsonSchema[list[str] | None] = Field(
+        None, description="Not in the run form, and it can only narrow: the folders (or URL prefixes) a worker may "
+        "read are its operator's, set in the environment variable QLORA_DATA_ROOTS of the worker (docs/data.md). A "
+        "config that still names folders here reads from those only, and a run that names a place outside "
+        "QLORA_DATA_ROOTS is refused before any stage. Empty: QLORA_DATA_ROOTS alone.",
     )
     pack_examples: bool = Field(
         False, description="Pack whole examples into rows of up to max_seq_length tokens when the data is prepared. "
         "Off: speed.packing packs each micro-batch during training instead.",
     )
+
+    @field_validator("source", "eval_source")
+    @classmethod
+    def _no_credentials(cls, value: str | None, info: Any) -> str | None:
+        # refused, not masked: a secret kept in the config reaches Prefect's database, run.json, the manifests and
+        # the model card
+        if value is not None and (why := credentials.refusal(f"data.{info.field_name}", value,
+                                                              credentials.DATA_INSTEAD)):
+            raise ValueError(why)
+        return value
 
 
 class ModelArgs(_Section):

@@ -2,8 +2,9 @@
 
 A URI in the config travels far: Prefect stores it as the flow run's parameters, run.json and the manifests
 record it, MLflow gets the config as params, the log prints it. So a URI that carries a secret is refused where
-it enters (tasks/config.py TrackArgs, and the MLflow URI a run resolves from its environment), and the secret
-goes where the library reads it from the environment instead (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN).
+it enters (tasks/config.py: TrackArgs, ServeArgs, DataArgs' source and eval_source; and the MLflow URI a run resolves
+from its environment), and the secret goes where the library reads it from the environment instead
+(MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN; a data source's: DATA_INSTEAD).
 
 One definition serves the pydantic validator and the JSON schema that Prefect's server enforces on a
 deployment's parameters (so a URI with credentials typed into the UI form is refused before Prefect stores
@@ -51,13 +52,24 @@ def mask(text: str) -> str:
     return re.sub(rf"({SECRET_QUERY})[^&;#\s'\"]*", r"\1***", text)
 
 
-def refusal(field: str, uri: str) -> str | None:
-    """Why `uri` (from `field`) cannot be used, with the fix; None when it carries no credentials."""
+MLFLOW_INSTEAD = ("in the environment of the process that runs the flow, where MLflow reads them: "
+                  "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (a database store: "
+                  "its driver's own, such as PGPASSWORD or ~/.pgpass)")
+# where a data source's secret goes instead (docs/data.md, "Sources that need a secret"): the environment of the
+# process that runs the flow (the worker's), where each filesystem library reads its own
+DATA_INSTEAD = ("in the environment of the process that runs the flow (the worker's), where the library that reads "
+                "the source finds them: for http(s):// a header in FSSPEC_HTTP, e.g. FSSPEC_HTTP='{\"client_kwargs\": "
+                "{\"headers\": {\"Authorization\": \"Bearer ...\"}}}'; for s3:// AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); for gs:// GOOGLE_APPLICATION_CREDENTIALS; for a hub dataset "
+                "HF_TOKEN (docs/data.md)")
+
+
+def refusal(field: str, uri: str, instead: str = MLFLOW_INSTEAD) -> str | None:
+    """Why `uri` (from `field`) cannot be used, with the fix (`instead`: where its secret goes); None when it carries
+    no credentials."""
     kinds = found(uri)
     if not kinds:
         return None
     return (f"{field}={mask(uri)} holds credentials ({' and '.join(kinds)}), which would be written into the run's "
             "records, MLflow's params and Prefect's flow-run parameters. Give the URI without them and put them "
-            "in the environment of the process that runs the flow, where MLflow reads them: "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (a database store: "
-            "its driver's own, such as PGPASSWORD or ~/.pgpass)")
+            f"{instead}")

@@ -1,7 +1,8 @@
 """Every bad input fails before training with one paragraph that names the problem and its fix (issue 17).
 
-Data decoding, config bounds, models and hub ids, runs_dir, data.allowed_roots, a source changing while it is
-read. Stages run alone through .fn(); the CLI only where its exit code and stderr are the behaviour.
+Data decoding, config bounds, models and hub ids, runs_dir, what the worker allows a run to read (QLORA_DATA_ROOTS),
+a source changing while it is read. Stages run alone through .fn(); the CLI only where its exit code and stderr are
+the behaviour.
 """
 
 from __future__ import annotations
@@ -83,18 +84,35 @@ def test_compressed_or_csv_content_named_jsonl_says_what_it_is(tmp_path: Path) -
 # ---- data sources ----------------------------------------------------------------------------------------------
 
 
-def test_allowed_roots_confine_the_source(tmp_path: Path) -> None:
+def test_the_workers_operator_confines_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a run may read is its worker's operator's (QLORA_DATA_ROOTS): a link or '..' does not get out; an old
+    config's data.allowed_roots only narrows it, and one that asks for more is refused before any stage."""
+    from tasks.prepare_data.sources import check_access
+
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     inside = jsonl(allowed / "d.jsonl", dolly(12))
-    prepare_data.fn(DataArgs(source=str(inside), eval_fraction=0.3, allowed_roots=[str(allowed)]), ModelArgs(),
-                    tmp_path / "ok-runs")
-    fails(tmp_path, "/etc/hostname", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    monkeypatch.setenv("QLORA_DATA_ROOTS", f"{allowed},s3://bucket/")
+    prepare_data.fn(DataArgs(source=str(inside), eval_fraction=0.3), ModelArgs(), tmp_path / "ok-runs")
+    check_access(DataArgs(source=str(inside), eval_source=str(inside)))
+    outside = "outside what the worker allows (QLORA_DATA_ROOTS)"
+    fails(tmp_path, "/etc/hostname", outside, "ask whoever runs the worker")
     link = allowed / "escape.jsonl"  # a link inside that points outside does not get out
     link.symlink_to(jsonl(tmp_path / "outside.jsonl", dolly(12)))
-    fails(tmp_path, link, "outside data.allowed_roots", allowed_roots=[str(allowed)])
-    fails(tmp_path, f"{allowed}/../outside.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
-    fails(tmp_path, "memory://x/d.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    fails(tmp_path, link, outside)
+    fails(tmp_path, f"{allowed}/../outside.jsonl", outside)
+    fails(tmp_path, "memory://x/d.jsonl", outside)
+    with pytest.raises(UserError, match=r"data.eval_source='/etc/hostname' reads /etc/hostname, outside what"):
+        check_access(DataArgs(source=str(inside), eval_source="/etc/hostname"))
+
+    # an old config that still names its places: they narrow the operator's, and cannot widen them
+    fails(tmp_path, inside, "outside data.allowed_roots", allowed_roots=[str(tmp_path / "other")])
+    with pytest.raises(UserError) as wider:
+        check_access(DataArgs(source="/etc/hostname", allowed_roots=["/", str(allowed)]))
+    assert str(wider.value).startswith("data.allowed_roots names /, outside what the worker allows "
+                                       f"(QLORA_DATA_ROOTS={allowed},s3://bucket/)"), wider.value
+    monkeypatch.delenv("QLORA_DATA_ROOTS")  # no operator's confinement (a terminal's own run): the config's holds
+    fails(tmp_path, "/etc/hostname", "outside data.allowed_roots", allowed_roots=[str(allowed)])
 
 
 def test_url_whose_filesystem_lacks_a_package_names_that_package(tmp_path: Path) -> None:

@@ -279,7 +279,7 @@ def test_tracking_writes_only_under_runs_dir_or_allowed_roots(tmp_path: Path) ->
         tracking.check(load_config(None, [f"{k}={v}" for k, v in confined.items()]))
 
     for outside in (elsewhere / "tb", runs / "link" / "tb", f"{runs}/../elsewhere/tb"):
-        with pytest.raises(UserError, match="outside runs_dir and data.allowed_roots"):
+        with pytest.raises(UserError, match="outside runs_dir and the data's places"):
             check(**{"track.backend": "tensorboard", "track.tensorboard_dir": outside})
     check(**{"track.backend": "tensorboard"})  # runs_dir/tensorboard
     check(**{"track.backend": "tensorboard", "track.tensorboard_dir": data / "tb"})

@@ -16,10 +16,12 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks import allowed, credentials
 from tasks.config import DataArgs
 from tasks.errors import UserError
 from tasks.hashing.files import file_sha256, files_fingerprint
@@ -107,6 +109,29 @@ def data_files(source: str, field: str = "data.source") -> tuple[Any, list[str]]
     except ValueError as exc:
         raise UserError(f"{field}={source!r}: {exc}. Give a local path, a URL whose protocol fsspec "
                         "knows (s3://, gs://, ...) or a hub dataset id.") from exc
+    with _refused_access(source, field):
+        paths = _listed(fs, path, source, field)
+    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
+    if not paths:
+        raise UserError(f"{field}={source!r} matched no {'/'.join(SUFFIXES)} files.")
+    return fs, paths
+
+
+@contextmanager
+def _refused_access(source: str, field: str) -> Iterator[None]:
+    """A server that refuses the request (HTTP 401 or 403, an object store's access denied) is a UserError naming
+    where the credentials go: the environment of the process that runs the flow, never the URL."""
+    try:
+        yield
+    except Exception as exc:
+        status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
+        if "://" not in source or (not isinstance(exc, PermissionError) and status not in (401, 403)):
+            raise
+        raise UserError(f"{field}={source!r}: the server refused access ({status or type(exc).__name__}: "
+                        f"{str(exc)[:200]}). Give the credentials {credentials.DATA_INSTEAD}.") from None
+
+
+def _listed(fs: Any, path: str, source: str, field: str) -> list[str]:
     if glob.has_magic(path):
         paths = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):
@@ -119,37 +144,64 @@ def data_files(source: str, field: str = "data.source") -> tuple[Any, list[str]]
     else:
         raise UserError(f"{field}={source!r}: no such file. Give a {'/'.join(SUFFIXES)} file, a folder or "
                         "glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
-    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
-    if not paths:
-        raise UserError(f"{field}={source!r} matched no {'/'.join(SUFFIXES)} files.")
-    return fs, paths
+    return paths
 
 
 def _is_local_fs(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def roots(args: DataArgs) -> list[str] | None:
+    """The places data may be read from: the config's data.allowed_roots where an old config still names them (they
+    lie inside the operator's, check_access), else the operator's QLORA_DATA_ROOTS (tasks/allowed.py); None: any."""
+    return args.allowed_roots if args.allowed_roots is not None else allowed.data_roots()
+
+
+def check_access(args: DataArgs) -> None:
+    """Before any stage: the run asks to read nothing its worker's operator does not allow (QLORA_DATA_ROOTS) through
+    its config (data.allowed_roots of an old config, data.source, data.eval_source) or its job variables; one
+    UserError listing every problem."""
+    allowed.check_run_overrides()
+    problems = []
+    operator = allowed.data_roots()
+    if operator is not None and args.allowed_roots is not None:
+        wider = [root for root in args.allowed_roots if not allowed.inside(root, operator)]
+        if wider:
+            problems.append(f"data.allowed_roots names {', '.join(wider)}, outside what the worker allows "
+                            f"({allowed.DATA_ROOTS}={','.join(operator)}): a config can only narrow that. Leave "
+                            "data.allowed_roots out (it is no longer a run parameter), or ask whoever runs the "
+                            f"worker to add the place to {allowed.DATA_ROOTS}.")
+    for name in ("source", "eval_source"):
+        source = getattr(args, name)
+        if source is not None and not problems:
+            try:
+                check_allowed(args.model_copy(update={"source": source}), field=f"data.{name}")
+            except UserError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise UserError(" ".join(problems))
+
+
 def check_allowed(args: DataArgs, paths: list[str] | None = None, field: str = "data.source") -> None:
-    """With data.allowed_roots set, the source and every file read must lie inside one of them (links resolved).
+    """Where reading is confined (roots), the source and every file read must lie inside one of the allowed places
+    (links resolved).
 
     Called before the source is looked at (nothing is said about files outside) and again on the files found.
     """
-    roots = args.allowed_roots
-    if roots is None or is_hub(args.source):
+    allowed_places = roots(args)
+    if allowed_places is None or is_hub(args.source):
         return
     if paths is None and "://" not in args.source:
         static = args.source[:min((args.source.find(c) for c in "*?[" if c in args.source), default=None)]
         paths = [static or "."]
-    if "://" in args.source:
-        outside = [] if any(args.source.startswith(r) for r in roots if "://" in r) else [args.source]
-    else:
-        folders = [Path(r).expanduser().resolve() for r in roots if "://" not in r]
-        outside = [p for p in paths or [] if not any(Path(p).expanduser().resolve().is_relative_to(f)
-                                                     for f in folders)]
+    outside = [p for p in ([args.source] if "://" in args.source else paths or [])
+               if not allowed.inside(p, allowed_places)]
     if outside:
-        raise UserError(f"{field}={args.source!r} reads {', '.join(outside[:5])}"
-                        f"{' ...' if len(outside) > 5 else ''}, outside data.allowed_roots ({', '.join(roots)}). "
-                        "Put the data in one of those folders, or ask whoever runs the deployment to allow its place.")
+        who = ("data.allowed_roots" if args.allowed_roots is not None
+               else f"what the worker allows ({allowed.DATA_ROOTS})")
+        raise UserError(f"{field}={args.source!r} reads {', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}, "
+                        f"outside {who}: {', '.join(allowed_places)}. Put the data in one of those places, or ask "
+                        f"whoever runs the worker to allow its place (environment variable {allowed.DATA_ROOTS}).")
 
 
 def fingerprint(args: DataArgs, field: str = "data.source", runs_dir: Path | None = None) -> str:

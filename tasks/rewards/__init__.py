@@ -9,9 +9,9 @@ champion (evaluate_adapter), so a run is judged on what it learned from.
 A built-in is one function in builtin.py and one entry in REWARDS. A user's function is named `module:function` and
 loads only from a module the deployment's operator allows in the environment variable QLORA_REWARD_MODULES of the
 process that runs the flow (comma-separated module names; `pkg` allows pkg and its submodules): a run form cannot set
-it, so a UI user cannot make the worker run code by typing a module path. `check` refuses anything else before any
-stage runs. The functions' source is part of train_adapter's cache key (`fingerprint`), so editing one retrains; a
-reward model's adapter files are, likewise.
+it, nor a run's job variables (tasks/allowed.py), so a UI user cannot make the worker run code by typing a module
+path. `check` refuses anything else before any stage runs. The functions' source is part of train_adapter's cache
+key (`fingerprint`), so editing one retrains; a reward model's adapter files are, likewise.
 """
 
 from __future__ import annotations
@@ -21,18 +21,17 @@ import hashlib
 import importlib
 import inspect
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import methods
+from tasks import allowed, methods
 from tasks.config import TrainArgs
 from tasks.errors import UserError
 from tasks.rewards import builtin, reward_model
 
-ALLOW_VARIABLE = "QLORA_REWARD_MODULES"
+ALLOW_VARIABLE = allowed.REWARD_MODULES
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ BUILT_IN = {r.name: r for r in REWARDS}
 
 def allowed_modules() -> list[str]:
     """The modules the deployment allows user reward functions from (QLORA_REWARD_MODULES)."""
-    return [m.strip() for m in os.environ.get(ALLOW_VARIABLE, "").split(",") if m.strip()]
+    return allowed.listed(ALLOW_VARIABLE)
 
 
 def check(train: TrainArgs, runs_dir: Path) -> None:

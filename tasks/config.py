@@ -245,12 +245,13 @@ class DataArgs(_Section):
         "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
     )
     # not in the form: what a worker may read is its operator's (QLORA_DATA_ROOTS, tasks/allowed.py), which a run
-    # form could otherwise widen; configs that still carry it are read, and it can only narrow (prepare_data/sources.py)
+    # form could otherwise widen; configs that still carry it are read, and it can only narrow (sources.py). Left out
+    # of dumps, so parameters sent to Prefect's server (which refuses a field the form lacks) never hold it.
     allowed_roots: SkipJsonSchema[list[str] | None] = Field(
-        None, description="Not in the run form, and it can only narrow: the folders (or URL prefixes) a worker may "
-        "read are its operator's, set in the environment variable QLORA_DATA_ROOTS of the worker (docs/data.md). A "
-        "config that still names folders here reads from those only, and a run that names a place outside "
-        "QLORA_DATA_ROOTS is refused before any stage. Empty: QLORA_DATA_ROOTS alone.",
+        None, exclude=True, description="Not in the run form, and it can only narrow: the folders (or URL prefixes) "
+        "a worker may read are its operator's, set in the environment variable QLORA_DATA_ROOTS of the worker "
+        "(docs/data.md). A config that still names folders here reads from those only, and a run that names a place "
+        "outside QLORA_DATA_ROOTS is refused before any stage. Empty: QLORA_DATA_ROOTS alone.",
     )
     pack_examples: bool = Field(
         False, description="Pack whole examples into rows of up to max_seq_length tokens when the data is prepared. "
@@ -1007,7 +1008,8 @@ def reference_table() -> str:
         for name, info in model.model_fields.items():
             if prefix == "" and name in sections:
                 continue
-            shown = "null" if defaults[name] is None else str(defaults[name])
+            value = defaults.get(name, info.get_default(call_default_factory=True))  # a field left out of dumps
+            shown = "null" if value is None else str(value)
             lines.append(f"| `{prefix + '.' if prefix else ''}{name}` | `{shown}` | {info.description or ''} |")
     return "\n".join(lines)
 

@@ -244,6 +244,11 @@ class DataArgs(_Section):
         "examples of data.source (identical after formatting) before the run fails; any overlap is a warning with the "
         "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
     )
+    max_record_bytes: int = Field(
+        8 << 20, gt=0, le=1 << 30, description="Most bytes one record (a line of a .jsonl or .txt file, a row) may "
+        "hold; a longer one fails the run before it is tokenized, with its line number. Tokenizing a record takes "
+        "about a hundred times its size in memory. Changes no cache key.",
+    )
     # not in the form: what a worker may read is its operator's (QLORA_DATA_ROOTS, tasks/allowed.py), which a run
     # form could otherwise widen; configs that still carry it are read, and it can only narrow (sources.py). Left out
     # of dumps, so parameters sent to Prefect's server (which refuses a field the form lacks) never hold it.
@@ -319,7 +324,7 @@ class LoraArgs(_Section):
 
 OPTIMIZERS = ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused")
 # TrainArgs fields that are the pipeline's, not TrainingArguments' or a TRL config's keywords
-PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern")
+PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern", "reward_timeout_s")
 
 
 def _users(name: str) -> str:
@@ -393,6 +398,11 @@ class TrainArgs(_Section):
     reward_pattern: str = Field(
         r"\d", description=f"{_users('reward_pattern')}: the regular expression the format reward looks for in an "
         "answer (Python re.search).",
+    )
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description=f"{_users('reward_timeout_s')}: seconds one call of a reward function may take (one "
+        "call scores a micro-batch's answers); a function that takes longer fails the run with its name, and "
+        "training resumes from its latest checkpoint once it is fixed. Changes no cache key.",
     )
     num_generations: int = Field(
         4, ge=2, description=f"{_users('num_generations')}: answers sampled per prompt; per_device_train_batch_size "

@@ -46,6 +46,7 @@ class RawChunk:
     rows: Any
     first: int  # line number (lines) or 1-based row number (records) of rows[0]
     unit: str = "line"
+    limit: int | None = None  # data.max_record_bytes: a longer record is a problem (decode), not tokenized
 
 
 @dataclass
@@ -239,40 +240,57 @@ def _remote_sha256(fs: Any, path: str) -> str:
 def read_chunks(args: DataArgs, problems: Problems, field: str = "data.source") -> Iterator[RawChunk]:
     """The source's rows in chunks, in a fixed order (files sorted by name)."""
     if is_hub(args.source):
-        yield from _hub_chunks(args)
+        for chunk in _hub_chunks(args):
+            chunk.limit = args.max_record_bytes
+            yield chunk
         return
     fs, paths = data_files(args.source, field)
     check_allowed(args, paths, field)
     for path in paths:
-        yield from file_chunks(fs, path, problems)
+        yield from file_chunks(fs, path, problems, args.max_record_bytes)
 
 
-def file_chunks(fs: Any, path: str, problems: Problems) -> Iterator[RawChunk]:
-    """One data file's rows in chunks; a chunk never spans two files."""
+def file_chunks(fs: Any, path: str, problems: Problems, limit: int) -> Iterator[RawChunk]:
+    """One data file's rows in chunks; a chunk never spans two files. A record longer than `limit` bytes is a
+    problem, never held whole: a line's bytes are skipped as they are read."""
     with fs.open(path, "rb") as f:
         if path.endswith(".csv"):
-            yield from _csv_chunks(f, path, problems)
+            chunks = _csv_chunks(f, path, problems)
         elif path.endswith(".parquet"):
-            yield from _arrow_chunks(_parquet_batches(f), path)
+            chunks = _arrow_chunks(_parquet_batches(f), path)
         elif path.endswith((".txt", ".raw")):
-            yield from _line_chunks(f, path, "text_lines", problems)
+            chunks = _line_chunks(f, path, "text_lines", problems, limit)
         elif path.endswith(".json") and _starts_array(f):
-            yield from _json_array_chunks(f, path, problems)
+            chunks = _json_array_chunks(f, path, problems)
         else:
-            yield from _line_chunks(f, path, "json_lines", problems)
+            chunks = _line_chunks(f, path, "json_lines", problems, limit)
+        for chunk in chunks:
+            chunk.limit = limit
+            yield chunk
 
 
-def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems
+def too_long(limit: int) -> str:
+    """The problem of a record longer than data.max_record_bytes, with its fix."""
+    return (f"are longer than data.max_record_bytes ({limit:,} bytes), more than one record may hold: tokenizing a "
+            "record takes about a hundred times its size in memory (split such records, or raise "
+            "data.max_record_bytes where the worker has the memory)")
+
+
+def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems, limit: int
                  ) -> Iterator[RawChunk]:
     rows: list[bytes] = []
     first = size = 0
-    for number, line in enumerate(f, start=1):
+    head = f.read(4)
+    kind_of = next((what for magic, what in _BINARY.items() if head.startswith(magic)), None)
+    if kind_of:
+        problems.add(f"are not text: the file is {kind_of} (decompress or convert it to {Path(where).suffix} "
+                     "text first)", where, "line 1")
+        return
+    for number, line in enumerate(_bounded_lines(f, head, limit), start=1):
+        if isinstance(line, int):  # longer than the limit: its bytes were not kept
+            problems.add(too_long(limit), where, f"line {number} ({line:,} bytes)")
+            continue
         if number == 1:
-            kind_of = next((what for magic, what in _BINARY.items() if line.startswith(magic)), None)
-            if kind_of:
-                problems.add(f"are not text: the file is {kind_of} (decompress or convert it to {Path(where).suffix} "
-                             "text first)", where, "line 1")
-                return
             line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as .csv and .json accept
         if not rows:
             first = number
@@ -283,6 +301,34 @@ def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], 
             rows, size = [], 0
     if rows:
         yield RawChunk(where, kind, rows, first)
+
+
+def _bounded_lines(f: Any, head: bytes, limit: int) -> Iterator[bytes | int]:
+    """The lines of binary file `f` (whose first bytes, `head`, were read already) with their newline, as iterating
+    the file gives them; a line longer than `limit` bytes as its length instead, its bytes dropped as they are read
+    (a 50 MB line was read, decoded and tokenized whole, and the kernel killed the run for its memory)."""
+    partial: list[bytes] = []  # the line so far, while it is within the limit
+    held = skipped = 0  # its bytes held; bytes of an over-long line seen (0: not skipping)
+    block = head
+    while block:
+        lines = block.split(b"\n")
+        for piece in lines[:-1]:  # complete lines (each ended by a newline)
+            if skipped or held + len(piece) + 1 > limit:
+                yield skipped + held + len(piece) + 1
+            else:
+                yield b"".join([*partial, piece, b"\n"])
+            partial, held, skipped = [], 0, 0
+        tail = lines[-1]
+        if skipped or held + len(tail) > limit:
+            skipped, partial, held = skipped + held + len(tail), [], 0
+        elif tail:
+            partial.append(tail)
+            held += len(tail)
+        block = f.read(1 << 20)
+    if skipped:
+        yield skipped
+    elif held:
+        yield b"".join(partial)
 
 
 def _starts_array(f: Any) -> bool:
@@ -309,24 +355,29 @@ def _csv_chunks(f: Any, where: str, problems: Problems) -> Iterator[RawChunk]:
     # the csv module, not pyarrow's reader: it gives the line number of every ragged or undecodable row
     text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
     reader = csv.reader(text)
-    header = next(reader, [])
     records: list[dict[str, str]] = []
-    line, count = reader.line_num, 0
-    for row in reader:
-        start, line = line + 1, reader.line_num
-        if not row:
-            continue
-        if _SURROGATE.search("".join(row)):
-            problems.add("are not UTF-8 (save the file as UTF-8)", where, f"line {start}")
-        elif len(row) != len(header):
-            problems.add(f"have a different number of fields than the header's {len(header)} (quote fields "
-                         "that contain commas or line breaks)", where, f"line {start} ({len(row)} fields)")
-        else:
-            count += 1
-            records.append(dict(zip(header, row, strict=True)))
-            if len(records) >= CHUNK_ROWS:
-                yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
-                records = []
+    try:
+        header = next(reader, [])
+        line, count = reader.line_num, 0
+        for row in reader:
+            start, line = line + 1, reader.line_num
+            if not row:
+                continue
+            if _SURROGATE.search("".join(row)):
+                problems.add("are not UTF-8 (save the file as UTF-8)", where, f"line {start}")
+            elif len(row) != len(header):
+                problems.add(f"have a different number of fields than the header's {len(header)} (quote fields "
+                             "that contain commas or line breaks)", where, f"line {start} ({len(row)} fields)")
+            else:
+                count += 1
+                records.append(dict(zip(header, row, strict=True)))
+                if len(records) >= CHUNK_ROWS:
+                    yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
+                    records = []
+    except csv.Error as exc:  # a field longer than the csv module reads: the rest of the file cannot be parsed
+        problems.add(f"cannot be read as CSV ({exc}; a field that long belongs in a .jsonl or .parquet file)", where,
+                     f"line {reader.line_num}")
+        return
     if records:
         yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
 
@@ -395,9 +446,23 @@ def decode(chunk: RawChunk, mapping: dict[str, str], problems: Problems) -> Iter
     for i, record in enumerate(rows):
         if record is None:
             continue
+        if chunk.kind in ("records", "arrow") and chunk.limit and (size := _record_bytes(record)) > chunk.limit:
+            problems.add(too_long(chunk.limit), chunk.where, f"{at(chunk.first + i)} ({size:,} bytes)")
+            continue
         if mapping:
             record = {mapping.get(k, k): v for k, v in record.items()}
         yield at(chunk.first + i), record
+
+
+def _record_bytes(value: Any) -> int:
+    """About how many bytes a record's text takes (its strings' lengths, nested values included)."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_record_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_record_bytes(v) for v in value)
+    return 8
 
 
 def _text_line(raw: bytes, file: str, where: str, problems: Problems) -> dict[str, str] | None:

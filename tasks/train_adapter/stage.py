@@ -60,6 +60,7 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
         folder = resolve_adapter(train.init_adapter, runs_dir)
         keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
     return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir, located=("train.init_adapter",),
+                     checks=("train.reward_timeout_s",),  # how long a reward may take: it trains the same adapter
                      params={"lora": lora.model_dump(), "train": _train_params(train), "speed": _speed_params(speed)},
                      upstream={"prepare_model": Path(model_dir)}, fingerprint=keyed)
 

@@ -611,6 +611,7 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
 def _promote(config: Any, name: str, version: str) -> int:
     """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 3, as a run
     does, when the server was not updated (the registry was)."""
+    from tasks.errors import UserError
     from tasks.export_adapter import serving
     from tasks.log import warnings_to_terminal
     from tasks.registry import store as registry
@@ -622,6 +623,8 @@ def _promote(config: Any, name: str, version: str) -> int:
     try:
         with warnings_to_terminal():  # each repair of the registry, said once by the registry itself
             record = registry.promote(root, version)
+    except UserError as exc:  # a record nothing can restore: which version is which would be a guess
+        return _user_error(f"{exc} The champion was not changed.")
     except ValueError as exc:
         return _user_error(f"{exc}; nothing was changed.")
     print(f"registry {name}: champion now {record['version']} ({root / record['version']})")

@@ -138,11 +138,22 @@ def _tree(fields: dict[str, dict[str, Any]], required: bool) -> dict[str, Any]:
 
 
 def _rule(when: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]], when_absent: bool = False,
-          then_required: bool = False) -> dict[str, Any]:
+          then_required: bool = False, says: str = "") -> dict[str, Any]:
     """A rule between fields, as the UI form and Prefect's server check it: when every field in `when` matches its
     schema, every field in `then` must match its own. A field left out of the parameters has its default:
-    `when_absent` when that default meets the condition, `then_required` when it breaks the requirement."""
-    return {"if": _tree(when, required=not when_absent), "then": _tree(then, required=then_required)}
+    `when_absent` when that default meets the condition, `then_required` when it breaks the requirement. `says`: the
+    sentence the form shows when a then_required rule is broken (a field's own schema says it with _says)."""
+    then_schema = _tree(then, required=then_required)
+    return {"if": _tree(when, required=not when_absent), "then": _says(then_schema, says) if says else then_schema}
+
+
+def _says(schema: dict[str, Any], sentence: str) -> dict[str, Any]:
+    """`schema` as the form checks it, with the CLI's sentence for when it is broken. Prefect's server words a broken
+    rule with jsonschema's own message ("2 is not one of [1]", "'auto' is not of type 'integer'"), except for `not`,
+    whose message quotes the schema it holds: a description there (first, as the server sorts the keys) is what the
+    form's user reads ("2 should not be valid under {'description': 'train.method=grpo trains in one process here:
+    ...', ...}"). The same check: not not."""
+    return {"not": {"description": sentence, "not": schema}}
 
 
 def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -193,13 +204,13 @@ class DataArgs(_Section):
         "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id. No credentials in "
         "a URL: the worker's environment holds them (docs/data.md).",
         # Prefect's server checks a deployment run's parameters against this before it stores them
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("data.source", credentials.FORM_DATA),
     )
     eval_source: InCheckout | None = Field(
         None, description="A fixed evaluation set, in any form data.source takes. When set, all of data.source is "
         "trained on and all of this set is evaluated; a new evaluation set re-evaluates without retraining. "
         "Empty: a share of data.source (eval_fraction) is held out for evaluation.",
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("data.eval_source", credentials.FORM_DATA),
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. wikitext-2-raw-v1). Empty: the "
                              "dataset's default configuration.")
@@ -340,15 +351,18 @@ def _losses_help() -> str:
 
 
 def _method_rules() -> list[dict[str, Any]]:
-    """TrainArgs' form rules of each method (RunConfig._check_method's within this section): its losses and the
+    """TrainArgs' form rules of each method (RunConfig._check_rules' within this section): its losses and the
     rules it sets on train fields."""
     rules = []
     for row in methods.METHODS:
         when = {"method": {"enum": [row.name]}}
-        rules.append(_rule(when, {"loss_type": {"enum": ["auto", *row.losses]}},
-                           when_absent=row.name == DEFAULT_METHOD))
-        rules += [_rule(when, {name: schema}, then_required=bool(schema.get("minItems")))
-                  for name, (schema, _) in row.requires.items()]
+        losses = (f"use one of {', '.join(row.losses)}, or auto for TRL's default" if row.losses else
+                  f"loss_type is for {_users('loss_type').replace('/', ', ')} only: set it to auto")
+        rules.append(_rule(when, {"loss_type": _says({"enum": ["auto", *row.losses]},
+                                                     f"train.loss_type does not go with train.method={row.name}: "
+                                                     f"{losses}")}, when_absent=row.name == DEFAULT_METHOD))
+        rules += [_rule(when, {name: schema}, then_required=True, says=message) if schema.get("minItems") else
+                  _rule(when, {name: _says(schema, message)}) for name, (schema, message) in row.requires.items()]
     return rules
 
 
@@ -587,13 +601,16 @@ class EvalArgs(_Section):
 
 
 _MEASURES = tuple(dict.fromkeys(m.measure for m in methods.METHODS))
+_GGUF_NEEDS_MERGE = "export.gguf needs the merged model: set export.merge=true as well (or export.gguf=[])"
+_REGISTER_NEEDS_MLFLOW = ("track.register_model registers the champion in MLflow: add mlflow to track.backend, or set "
+                          "track.register_model=false")
 
 
 class ExportArgs(_Section):
     """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
 
     FORM_RULES: ClassVar[list[dict[str, Any]]] = [
-        _rule({"gguf": {"minItems": 1}}, {"merge": {"enum": [True]}}, then_required=True),
+        _rule({"gguf": {"minItems": 1}}, {"merge": {"enum": [True]}}, then_required=True, says=_GGUF_NEEDS_MERGE),
     ]
 
     name: str = Field(
@@ -643,7 +660,7 @@ class ExportArgs(_Section):
     def _gguf_needs_merge(self) -> ExportArgs:
         # the GGUF files are written from merged/: without it there is nothing to convert
         if self.gguf and not self.merge:
-            raise ValueError("export.gguf needs the merged model: set export.merge=true as well (or export.gguf=[])")
+            raise ValueError(_GGUF_NEEDS_MERGE)
         return self
 
 
@@ -655,7 +672,7 @@ class TrackArgs(_Section):
 
     FORM_RULES: ClassVar[list[dict[str, Any]]] = [
         _rule({"register_model": {"enum": [True]}}, {"backend": {"contains": {"enum": ["mlflow"]}}},
-              then_required=True),
+              then_required=True, says=_REGISTER_NEEDS_MLFLOW),
     ]
 
     backend: list[Literal[TRACKING_BACKENDS]] = Field(  # type: ignore[valid-type]
@@ -666,7 +683,7 @@ class TrackArgs(_Section):
         None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). Empty: MLflow's "
         "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
         # Prefect's server checks a deployment run's parameters against this before it stores them
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("track.mlflow_tracking_uri", credentials.FORM_MLFLOW),
     )
     experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs are logged to (created "
                                  "if missing).")
@@ -702,8 +719,7 @@ class TrackArgs(_Section):
     @model_validator(mode="after")
     def _register_needs_mlflow(self) -> TrackArgs:
         if self.register_model and "mlflow" not in self.backend:
-            raise ValueError("track.register_model registers the champion in MLflow: add mlflow to track.backend, "
-                             "or set track.register_model=false")
+            raise ValueError(_REGISTER_NEEDS_MLFLOW)
         return self
 
 
@@ -723,7 +739,7 @@ class ServeArgs(_Section):
         "adapter_name serves the registry's champion, "
         f"checked against the champion's own evaluation first. None: no server is updated. Its API key comes from "
         f"the {SERVE_API_KEY_ENV} environment variable, never from the config.",
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("serve.url", f"in {SERVE_API_KEY_ENV} of the worker"),
     )
     adapter_name: str | None = Field(
         None, max_length=100, description="The model name clients ask the server for; None = export.name. Each "
@@ -819,14 +835,23 @@ def _parallel_problem(row: methods.Method, speed: SpeedArgs) -> str:
 
 
 def _method_run_rules() -> list[dict[str, Any]]:
-    """RunConfig's form rules of each method (_check_method's across sections): its data formats, and FSDP, GPUs
+    """RunConfig's form rules of each method (_check_rules' across sections): its data formats, and FSDP, GPUs
     and hosts where it does not allow them."""
     rules = []
     for row in methods.METHODS:
-        then = {"data.format": {"enum": ["auto", *row.formats]}}
-        then.update({} if row.fsdp else {"speed.fsdp": {"enum": [False]}})
-        then.update({} if row.several_gpus else {"speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}})
-        then.update({} if row.across_hosts else {"speed.num_nodes": {"enum": [1]}})
+        method = f"train.method={row.name}"
+        then = {"data.format": _says({"enum": ["auto", *row.formats]}, f"{method} trains on {row.data_kind} data: set "
+                                     f"data.format to {', '.join(row.formats)} or auto")}
+        fsdp = ", ".join(m.name for m in methods.METHODS if m.fsdp)
+        then.update({} if row.fsdp else {"speed.fsdp": _says({"enum": [False]}, (
+            f"{method} does not run with speed.fsdp (only {fsdp} is tried with FSDP here): set speed.fsdp=false (DDP "
+            "with speed.num_gpus works)"))})
+        one_process = (f"{method} trains in one process here (several are not tried with its TRL trainer): set "
+                       "speed.num_gpus and speed.num_nodes to 1")
+        then.update({} if row.several_gpus else {"speed.num_gpus": _says({"enum": [1]}, one_process),
+                                                 "speed.num_nodes": _says({"enum": [1]}, one_process)})
+        then.update({} if row.across_hosts or not row.several_gpus else {"speed.num_nodes": _says(
+            {"enum": [1]}, f"{method} trains on one host here: set speed.num_nodes to 1")})
         rules.append(_rule({"train.method": {"enum": [row.name]}}, then, when_absent=row.name == DEFAULT_METHOD))
     return rules
 
@@ -834,12 +859,20 @@ def _method_run_rules() -> list[dict[str, Any]]:
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
-    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_method's, _check_nodes' and _check_fsdp's
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_rules' (the methods', nodes', FSDP's)
         *_method_run_rules(),
-        _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": {"type": "integer"}}),  # _check_nodes
-        _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
+        _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": _says(  # _nodes_problem
+            {"type": "integer"}, "speed.num_nodes above 1 trains on speed.num_gpus GPUs of each host, which must be a "
+            "number: the hosts other than this one are not asked how many they have. Set speed.num_gpus to 1 or "
+            "more")}),
+        _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True,
+              says="speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+              "rest of each layer: set model.bnb_4bit_quant_storage to bfloat16, float16 or float32"),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
-                {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
+                {"model.bnb_4bit_compute_dtype": _says({"enum": ["auto", dtype]}, (
+                    f"speed.fsdp needs the 4-bit weights stored in the compute dtype: with "
+                    f"model.bnb_4bit_quant_storage={dtype}, set model.bnb_4bit_compute_dtype to {dtype} or auto"))})
+          for dtype in _STORAGE_DTYPES],
     ]
 
     runs_dir: Path = Field(Path("runs"), description="Folder that every stage writes its output to; runs that share "
@@ -877,43 +910,38 @@ class RunConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check_target_modules(self) -> RunConfig:
-        if not self.lora.target_modules:
-            raise ValueError("lora.target_modules is empty: name at least one module, e.g. q_proj")
-        return self
-
-    @model_validator(mode="after")
-    def _check_method(self) -> RunConfig:
-        """The rules of train.method's row in tasks/methods.py, every broken one in one message."""
+    def _check_rules(self) -> RunConfig:
+        """The rules between fields of several sections, every broken one in one message (the run form's allOf says
+        each beside its field): target modules, train.method's row in tasks/methods.py, nodes, FSDP."""
         row = methods.method(self.train.method)
         if row.registry and "name" not in self.export.model_fields_set:  # a registry of its own kind by default
             self.export.name = row.registry
-        problems = [p for p in (_loss_problem(row, self.train.loss_type), _format_problem(row, self.data.format),
-                                *_field_problems(row, self.train), _parallel_problem(row, self.speed)) if p]
+        problems = [p for p in (self._target_modules_problem(), _loss_problem(row, self.train.loss_type),
+                                _format_problem(row, self.data.format), *_field_problems(row, self.train),
+                                _parallel_problem(row, self.speed), self._nodes_problem(), self._fsdp_problem()) if p]
         if problems:
             raise ValueError("; ".join(problems))
         if self.train.init_adapter == "champion":  # the champion of this run's own registry
             self.train.init_adapter = f"champion:{self.export.name}"
         return self
 
-    @model_validator(mode="after")
-    def _check_nodes(self) -> RunConfig:
-        if self.speed.num_nodes > 1 and self.speed.num_gpus == "auto":
-            raise ValueError(f"speed.num_nodes={self.speed.num_nodes} trains on speed.num_gpus GPUs of each host, "
-                             "which must be a number: the hosts other than this one are not asked how many they "
-                             "have. Set speed.num_gpus to 1 or more.")
-        return self
+    def _target_modules_problem(self) -> str:
+        return "" if self.lora.target_modules else "lora.target_modules is empty: name at least one module, e.g. q_proj"
 
-    @model_validator(mode="after")
-    def _check_fsdp(self) -> RunConfig:
+    def _nodes_problem(self) -> str:
+        if self.speed.num_nodes > 1 and self.speed.num_gpus == "auto":
+            return (f"speed.num_nodes={self.speed.num_nodes} trains on speed.num_gpus GPUs of each host, which must be "
+                    "a number: the hosts other than this one are not asked how many they have. Set speed.num_gpus to "
+                    "1 or more.")
+        return ""
+
+    def _fsdp_problem(self) -> str:
         storage, compute = self.model.bnb_4bit_quant_storage, self.model.bnb_4bit_compute_dtype
         if self.speed.fsdp and (storage == "uint8" or compute not in ("auto", storage)):
-            raise ValueError(
-                f"speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
-                f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
-                f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}."
-            )
-        return self
+            return (f"speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+                    f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
+                    f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}.")
+        return ""
 
 
 # A config is a few KiB; Prefect stores it as the flow run's parameters, which its server caps at 524,288 bytes

@@ -7,7 +7,7 @@ from its environment), and the secret goes where the library reads it from the e
 (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN; a data source's: DATA_INSTEAD).
 
 One definition serves the pydantic validator and the JSON schema that Prefect's server enforces on a
-deployment's parameters (so a URI with credentials typed into the UI form is refused before Prefect stores
+deployment's parameters (form_rule: so a URI with credentials typed into the UI form is refused before Prefect stores
 it): plain regular expressions that Python's `re` and JavaScript read alike (no flags; letters matched
 case-blind by listing both cases).
 """
@@ -30,8 +30,16 @@ USERINFO = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
 # ?...&name=value where name holds a secret word
 # (names bounded in length: an unbounded one made masking a long config value quadratic in its length)
 SECRET_QUERY = r"[?&;][^=&;#]{0,200}(?:" + "|".join(map(_either_case, SECRET_WORDS)) + r")[^=&;#]{0,200}="
-# what a URI without credentials matches (JSON schema `pattern`: searched, so anchored here)
-NO_CREDENTIALS = rf"^(?!{USERINFO[1:]})(?![\s\S]*{SECRET_QUERY})"
+# what a URI with credentials matches (JSON schema `pattern`: searched, like re.search)
+WITH_CREDENTIALS = rf"{USERINFO}|{SECRET_QUERY}"
+
+
+def form_rule(field: str, instead: str) -> dict[str, object]:
+    """The JSON schema that refuses a URI with credentials in the run form (Prefect's server checks it before it
+    stores a run), worded for the form: a `not`, whose refusal quotes its description (a pattern's quotes the
+    regular expression). Not a string (an empty optional field): nothing to refuse."""
+    return {"not": {"description": f"{field} must hold no credentials (a user:password@ part, a token= query): put "
+                                   f"them {instead}", "type": "string", "pattern": WITH_CREDENTIALS}}
 
 
 def found(uri: str) -> list[str]:
@@ -62,6 +70,10 @@ DATA_INSTEAD = ("in the environment of the process that runs the flow (the worke
                 "{\"headers\": {\"Authorization\": \"Bearer ...\"}}}'; for s3:// AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); for gs:// GOOGLE_APPLICATION_CREDENTIALS; for a hub dataset "
                 "HF_TOKEN (docs/data.md)")
+
+
+FORM_MLFLOW = "in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) of the worker"
+FORM_DATA = "in the worker's environment (FSSPEC_HTTP, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN: docs/data.md)"
 
 
 def refusal(field: str, uri: str, instead: str = MLFLOW_INSTEAD) -> str | None:

@@ -336,24 +336,37 @@ def test_a_refused_config_is_one_line_in_the_run_log(server: dict[str, Any], tmp
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("qlora-pipeline/embedded-default")
         client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=False))
+    # three rules between sections broken at once: every one is named (the flow checked them one after another and
+    # named the first)
+    rules = {"runs_dir": str(tmp_path / "runs"), "train": {"loss_type": "sigmoid"},
+             "speed": {"fsdp": True, "num_nodes": 2, "num_gpus": "auto"}}
     try:
         run = _wait(_start_run("embedded-default", {"runs_dir": str(tmp_path / "runs"), "train": {"max_steps": 0}}))
+        ruled = _wait(_start_run("embedded-default", rules))
     finally:
         with get_client(sync_client=True) as client:
             client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=True))
-    assert run.state.type.value == "FAILED"
-    deadline = time.time() + 30  # the log lines reach the server in batches, after the state
-    while True:
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        errors = [log.message for log in logs if log.level >= 40]
-        if errors or time.time() > deadline:
-            break
-        time.sleep(1)
+
+    def error_lines(run: Any) -> tuple[list[str], str]:
+        deadline = time.time() + 30  # the log lines reach the server in batches, after the state
+        while True:
+            with get_client(sync_client=True) as client:
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            errors = [log.message for log in logs if log.level >= 40]
+            if errors or time.time() > deadline:
+                return errors, "\n".join(log.message for log in logs)
+
+    assert run.state.type.value == "FAILED" and ruled.state.type.value == "FAILED"
+    errors, text = error_lines(run)
     assert len(errors) == 1, errors
     assert errors[0].startswith("Invalid configuration: config.train.max_steps: 0 steps would train nothing"), errors
-    text = "\n".join(log.message for log in logs)
     assert "Traceback" not in text and "Engine execution exited" not in text and text.count("max_steps") == 1, text
+    errors, text = error_lines(ruled)
+    assert len(errors) == 1 and "Traceback" not in text, errors
+    for sentence in ("train.loss_type=sigmoid does not go with train.method=sft",
+                     "speed.num_nodes=2 trains on speed.num_gpus GPUs of each host",
+                     "speed.fsdp needs the 4-bit weights stored in the compute dtype"):
+        assert sentence in errors[0], errors
 
 
 def _browser() -> Any:

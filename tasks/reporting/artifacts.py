@@ -415,7 +415,8 @@ def tracking_report(done: dict[str, dict[str, str]]) -> None:
     for name, ref in done.items():
         where = ref.get("url") or ref.get("log_dir") or ref.get("tracking_uri", "")
         logged = ref["logged"] + (f" ({ref['reason']})" if ref.get("reason") else "") + (
-            f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else "")
+            f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else "") + (
+            f"; model {ref['registered']}" if ref.get("registered") else "")
         lines.append(f"| {name} | {_cell(where)} | {_cell(logged)} |")
     unsent = [name for name, ref in done.items() if ref.get("reason")]
     note = (f"\n\nNot sent to {', '.join(unsent)}: this run's files keep all of it (loss.jsonl, the stage folders, "

@@ -316,6 +316,48 @@ def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any],
         _cli(["deploy"], server["env"], cwd=PROJECT_ROOT)  # the module's other tests use the plain deployments
 
 
+def test_what_a_run_may_read_is_the_operators(server: dict[str, Any], tmp_path: Path) -> None:
+    """The operator allows a folder (QLORA_DATA_ROOTS in the deployment's job variables): a run from the form cannot
+    widen it, neither by data.allowed_roots (not in the form; refused by the server, and before any stage with the
+    form's check off) nor by its own job variables, and a source outside is refused before any stage."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    data = allowed / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("qlora-pipeline/embedded-default")
+        client.update_deployment(deployment.id, DeploymentUpdate(job_variables={"env": {
+            "QLORA_DATA_ROOTS": str(allowed)}}))
+    try:
+        runs = {"runs_dir": str(tmp_path / "runs")}
+        with get_client(sync_client=True) as client:
+            with pytest.raises(Exception, match="409") as refused:  # the form has no such field: refused at Submit
+                client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                    **runs, "data": {"source": "/etc/hostname", "allowed_roots": ["/"]}}})
+            assert "allowed_roots" in str(refused.value)
+            widened = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": str(data)}}}, job_variables={"env": {"QLORA_DATA_ROOTS": "/"}}).id
+            client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=False))
+            wider = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": "/etc/hostname", "allowed_roots": ["/"]}}}).id
+            outside = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": "/etc/hostname"}}}).id
+        for run_id, said in ((widened, "this run's job variables set QLORA_DATA_ROOTS in its environment"),
+                             (wider, "data.allowed_roots names /, outside what the worker allows (QLORA_DATA_ROOTS="),
+                             (outside, "data.source='/etc/hostname' reads /etc/hostname, outside what the worker "
+                                       "allows (QLORA_DATA_ROOTS)")):
+            run = _wait(run_id)
+            assert run.state.type.value == "FAILED" and said in " ".join(run.state.message.split()), run.state
+            assert settled_task_states(run_id) == {}, run_id  # before any stage
+        assert not (tmp_path / "runs" / "prepare_data").exists()
+    finally:
+        with get_client(sync_client=True) as client:
+            client.update_deployment(deployment.id, DeploymentUpdate(job_variables={}, enforce_parameter_schema=True))
+
+
 def test_deploy_says_its_next_steps_once(server: dict[str, Any], tmp_path: Path) -> None:
     """Prefect's report repeats `prefect worker start ...` for every deployment; ours names our worker, once."""
     out = _cli(["deploy"], server["env"], cwd=tmp_path)

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cancellation import watch_for_cancel
+from flows.cancellation import stop_watching, watch_for_cancel
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
@@ -31,7 +31,8 @@ from tasks.train_adapter.stage import train_adapter
 # (memory.freeze_startup_objects); on a failure or a crash, a summary artifact and no task run left
 # Running (the worker runs on_crashed hooks when the flow-run process was killed)
 @flow(name="qlora-pipeline", on_running=[quiet_user_errors, freeze_startup_objects, watch_for_cancel],
-      on_failure=[failure_summary], on_crashed=[failure_summary])
+      on_completion=[stop_watching], on_failure=[stop_watching, failure_summary],
+      on_crashed=[stop_watching, failure_summary], on_cancellation=[stop_watching])
 def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: B008 - a pydantic default
     """Fine-tune a causal language model with QLoRA in five cached stages.
 

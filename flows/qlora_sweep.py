@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows import sweep_runner
-from flows.cancellation import watch_for_cancel
+from flows.cancellation import stop_watching, watch_for_cancel
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
@@ -36,8 +36,9 @@ from tasks.tested_versions import warn_untested_versions
 # (sweep_runner.SignalLeavesThreads). Candidates' trainings go to sweep_runner.training_runner: at once, one per GPU of
 # the pool, where each trains in a child process of its own; one at a time without a pool of devices.
 @flow(name="qlora-sweep", task_runner=sweep_runner.SignalLeavesThreads(max_workers=1),
-      on_running=[quiet_user_errors, freeze_startup_objects, watch_for_cancel], on_failure=[failure_summary],
-      on_crashed=[failure_summary])
+      on_running=[quiet_user_errors, freeze_startup_objects, watch_for_cancel], on_completion=[stop_watching],
+      on_failure=[stop_watching, failure_summary], on_crashed=[stop_watching, failure_summary],
+      on_cancellation=[stop_watching])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
                 grid: dict[str, list[Any]] | None = None, candidates: CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.

@@ -230,3 +230,23 @@ def test_cancel_reaches_a_run_started_in_a_terminal(prefect_env: Path, small_dat
         err.split()) and "Traceback" not in err, err[-3000:]
     assert _state(run.id).type.value == "CANCELLED"
     assert json.dumps(task_states(run.id)).count("Running") == 0, task_states(run.id)
+
+
+def test_the_watcher_ends_with_its_run(prefect_env: Path) -> None:
+    """A run that ends in this process stops its watcher at once (its final-state hooks), so no thread outlives it to
+    poll a server that may be gone by then (a terminal's temporary server stops as the command ends)."""
+    import threading
+
+    from prefect import flow
+
+    from flows.cancellation import stop_watching, watch_for_cancel
+
+    @flow(on_running=[watch_for_cancel], on_completion=[stop_watching], on_failure=[stop_watching])
+    def quick() -> str:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id)
+
+    run_id = quick()
+    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == f"cancel-watch {run_id}"], 3,
+              "the watcher ending")

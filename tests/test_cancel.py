@@ -129,15 +129,6 @@ def _start(worker_server: dict[str, Any], config: dict[str, Any]) -> Any:
         return client.create_flow_run_from_deployment(worker_server["deployment"], parameters={"config": config}).id
 
 
-def _logs(run_id: Any) -> str:
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    with get_client(sync_client=True) as client:
-        return "\n".join(log.message for log in client.read_logs(log_filter=LogFilter(
-            flow_run_id=LogFilterFlowRunId(any_=[run_id]))))
-
-
 def test_cancel_after_a_server_restart_stops_the_run(worker_server: dict[str, Any], small_data: Path,
                                                      tmp_path: Path) -> None:
     """The server goes away for longer than the worker's cancellation observer waits ("Cancellation observer failed.
@@ -169,8 +160,6 @@ def test_cancel_after_a_server_restart_stops_the_run(worker_server: dict[str, An
         took = time.monotonic() - pressed
         assert took < GRACE_S + 4 * POLL_S + 60, took
         assert "the run stopped itself" in _state(run_id).message, _state(run_id)
-        said = _logs(run_id)
-        assert "The Prefect API does not answer" in said and "the run stopped itself" in said, said[-3000:]
     (folder,) = [f for f in runs.glob("train_adapter/*") if f.is_dir()]
     assert list(folder.glob("checkpoints/checkpoint-*/complete")) and not (folder / "manifest.json").exists()
 

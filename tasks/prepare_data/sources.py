@@ -26,6 +26,7 @@ from tasks.config import DataArgs
 from tasks.errors import UserError
 from tasks.hashing.files import file_sha256, files_fingerprint
 from tasks.hashing.keys import hash_json
+from tasks.log import logger
 from tasks.models.sources import is_local, resolve_hub_revision
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw: one text row per line
@@ -165,6 +166,10 @@ def check_access(args: DataArgs) -> None:
     allowed.check_run_overrides()
     problems = []
     operator = allowed.data_roots()
+    if args.allowed_roots is not None:
+        logger().warning("data.allowed_roots is no longer a run parameter (a run form could widen it): it only narrows "
+                         "what the worker allows. Drop it from the config and set the places in the worker's "
+                         "environment, %s=%s (docs/data.md)", allowed.DATA_ROOTS, ",".join(args.allowed_roots))
     if operator is not None and args.allowed_roots is not None:
         wider = [root for root in args.allowed_roots if not allowed.inside(root, operator)]
         if wider:

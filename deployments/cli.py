@@ -206,6 +206,12 @@ def _setup(args: argparse.Namespace) -> int:
 
     if args.command == "deploy":
         return setup.deploy(args.git, args.branch)
+    from tasks.pool.leases import uses_server
+
+    if not uses_server():
+        print("no PREFECT_API_URL: setting up the local Prefect database that runs in this terminal use (PREFECT_HOME, "
+              "through a temporary server); to set up a server, point PREFECT_API_URL at it first "
+              "(docs/operations.md)")
     print(setup.ensure_work_pool())
     if args.gpus is not None and args.gpus < 0:
         return _user_error(f"--gpus {args.gpus}: give the number of GPUs of the worker, 0 or more.")
@@ -367,6 +373,8 @@ def _problem(error: Any) -> str:
 
 def _run(config: Any, as_json: bool) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    from prefect.exceptions import TerminationSignal
+
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_pipeline import qlora_pipeline
     from tasks.errors import UserError
@@ -389,6 +397,8 @@ def _run(config: Any, as_json: bool) -> int:
         summary = exc.summary
     except UserError as exc:
         return _user_error(str(exc))
+    except TerminationSignal:  # cancelled from the UI or the API (flows/cancellation.py): ended Cancelled
+        _cancelled("run it again to resume (training from its latest complete checkpoint)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -468,6 +478,21 @@ def _stopped(signum: int, again: str) -> NoReturn:
     os._exit(128 + signum)
 
 
+def _cancelled(again: str) -> NoReturn:
+    """A run cancelled from the UI or the API while this command ran it (flows/cancellation.py stopped it with a
+    SIGTERM that Prefect's engine took for a cancellation): say so and end as _stopped does, with 128 + 15."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=5)
+    sys.stdout.flush()
+    print("\n" + textwrap.fill(f"cancelled: the run was cancelled (from the Prefect UI or its API) and ended as "
+                               f"Cancelled. Finished stages keep their folders; {again}.", width=100),
+          file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGTERM)
+
+
 def _start(flow: Any, config: Any) -> Any:
     """Run the flow; if Prefect's temporary server timed out starting, say so and try once more."""
     try:
@@ -482,6 +507,8 @@ def _start(flow: Any, config: Any) -> Any:
 def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
     """Run the qlora-sweep flow here; print the ranking, also when a candidate failed (then exit non-zero)."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    from prefect.exceptions import TerminationSignal
+
     from deployments.setup import ensure_gpu_limit
     from flows.qlora_sweep import qlora_sweep
     from tasks.errors import UserError
@@ -508,6 +535,8 @@ def _sweep(config: Any, grid_file: Path, as_json: bool) -> int:
             outcome = state.result(raise_on_failure=False)  # the summary, or what failed it
     except UserError as exc:
         return _user_error(str(exc))
+    except TerminationSignal:  # cancelled from the UI or the API (flows/cancellation.py): ended Cancelled
+        _cancelled("run the same sweep again to resume (finished candidates are reused)")
     except RuntimeError as exc:
         if _SERVER_TIMEOUT not in str(exc):
             raise
@@ -611,6 +640,7 @@ def _history(name: str | None, runs_dir: Path | None) -> int:
 def _promote(config: Any, name: str, version: str) -> int:
     """Make `version` the champion of registry `name`, then serve it as a run would (serve.url); exit 3, as a run
     does, when the server was not updated (the registry was)."""
+    from tasks.errors import UserError
     from tasks.export_adapter import serving
     from tasks.log import warnings_to_terminal
     from tasks.registry import store as registry
@@ -622,6 +652,8 @@ def _promote(config: Any, name: str, version: str) -> int:
     try:
         with warnings_to_terminal():  # each repair of the registry, said once by the registry itself
             record = registry.promote(root, version)
+    except UserError as exc:  # a record nothing can restore: which version is which would be a guess
+        return _user_error(f"{exc} The champion was not changed.")
     except ValueError as exc:
         return _user_error(f"{exc}; nothing was changed.")
     print(f"registry {name}: champion now {record['version']} ({root / record['version']})")
@@ -722,7 +754,8 @@ def _print_tracking(done: dict[str, dict[str, str]] | None) -> None:
             continue
         where = ref.get("url") or ref.get("log_dir") or f"{ref.get('tracking_uri')} run {ref.get('run_id')}"
         sent = f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else ""
-        print(f"tracked in {name}: {where} (logged {ref['logged']}{sent})")
+        print(f"tracked in {name}: {where} (logged {ref['logged']}{sent})"
+              + (f"; model {ref['registered']}" if ref.get("registered") else ""))
 
 
 if __name__ == "__main__":

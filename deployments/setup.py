@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from tasks import allowed
 from tasks.config import PROJECT_ROOT
 from tasks.pool.cpus import CPU_COUNTER_SLOTS, cpu_limit
 from tasks.pool.gpus import device_limit, gpu_limit, placement_limit, visible_gpus
@@ -221,10 +222,21 @@ def worker(pool: str, extra: list[str]) -> int:
     GPU pool has GPUs (`--limit`, unless given), so a run waits in the shared queue for a host with a free GPU
     rather than on a host whose GPUs are all taken."""
     env = {**os.environ, ROOT_VARIABLE: str(PROJECT_ROOT)}
+    print(_data_roots_line(), flush=True)
     if (host := this_host()) is not None:
         extra = [*_host_worker_args(pool, host, extra), *extra]
     # exec, not a child: signals meant for the worker (Ctrl-C, a service manager's stop) reach it
     os.execve(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *extra], env)
+
+
+def _data_roots_line() -> str:
+    """What the worker's runs may read (its operator's QLORA_DATA_ROOTS, tasks/allowed.py), said as it starts."""
+    roots = allowed.data_roots()
+    if roots:
+        return f"runs of this worker read data only from {', '.join(roots)} ({allowed.DATA_ROOTS})"
+    return (f"warning: {allowed.DATA_ROOTS} is not set, so a run started from the UI may read any file this worker can "
+            f"as its data; set it to the folders (or URL prefixes) the runs' data lies in, e.g. "
+            f"{allowed.DATA_ROOTS}=/data,s3://bucket/ qlora-pipeline worker")
 
 
 def _host_worker_args(pool: str, host: str, extra: list[str]) -> list[str]:

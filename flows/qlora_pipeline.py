@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cancellation import stop_watching, watch_for_cancel
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
@@ -15,6 +16,7 @@ from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
+from tasks.prepare_data.sources import check_access
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.init_adapter import check_init_adapter
@@ -29,8 +31,9 @@ from tasks.train_adapter.stage import train_adapter
 # hooks: user errors logged without a traceback, the objects alive at the start out of the garbage collector's scans
 # (memory.freeze_startup_objects); on a failure or a crash, a summary artifact and no task run left
 # Running (the worker runs on_crashed hooks when the flow-run process was killed)
-@flow(name="qlora-pipeline", on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
-      on_crashed=[failure_summary])
+@flow(name="qlora-pipeline", on_running=[quiet_user_errors, freeze_startup_objects, watch_for_cancel],
+      on_completion=[stop_watching], on_failure=[stop_watching, failure_summary],
+      on_crashed=[stop_watching, failure_summary], on_cancellation=[stop_watching])
 def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: B008 - a pydantic default
     """Fine-tune a causal language model with QLoRA in five cached stages.
 
@@ -44,6 +47,7 @@ def qlora_pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:  # noqa: 
     """
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     runs = config.runs_dir
+    check_access(config.data)  # a source outside what the worker's operator allows is refused before any stage
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage
     check_init_adapter(config.train.init_adapter, runs)  # a damaged starting adapter fails before any stage runs
     rewards.check(config.train, runs)  # so does a reward the deployment does not allow, or one that does not load

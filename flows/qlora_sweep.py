@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows import sweep_runner
+from flows.cancellation import stop_watching, watch_for_cancel
 from tasks import rewards
 from tasks.config import RunConfig
 from tasks.evaluate_adapter.champion import score_champion
@@ -19,6 +20,7 @@ from tasks.export_adapter.serving import serve_champion
 from tasks.export_adapter.stage import export_adapter
 from tasks.log import quiet_user_errors
 from tasks.models.memory import freeze_startup_objects
+from tasks.prepare_data.sources import check_access
 from tasks.prepare_data.stage import prepare_data
 from tasks.prepare_model.stage import prefetch_fingerprint, prepare_model
 from tasks.registry.store import check_registry
@@ -35,8 +37,9 @@ from tasks.tested_versions import warn_untested_versions
 # (sweep_runner.SignalLeavesThreads). Candidates' trainings go to sweep_runner.training_runner: at once, one per GPU of
 # the pool, where each trains in a child process of its own; one at a time without a pool of devices.
 @flow(name="qlora-sweep", task_runner=sweep_runner.SignalLeavesThreads(max_workers=1),
-      on_running=[quiet_user_errors, freeze_startup_objects], on_failure=[failure_summary],
-      on_crashed=[failure_summary])
+      on_running=[quiet_user_errors, freeze_startup_objects, watch_for_cancel], on_completion=[stop_watching],
+      on_failure=[stop_watching, failure_summary], on_crashed=[stop_watching, failure_summary],
+      on_cancellation=[stop_watching])
 def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic default
                 grid: dict[str, list[Any]] | None = None, candidates: CandidateList = ()) -> dict[str, Any]:
     """Train and evaluate every candidate of a grid, rank them on the same eval data, publish only the winner.
@@ -67,6 +70,7 @@ def qlora_sweep(config: RunConfig = RunConfig(),  # noqa: B008 - a pydantic defa
     warn_untested_versions(config.track)  # a worker whose libraries are not the tested ones says so
     plan = expand(config, grid, candidates)  # every bad key or value, before any stage runs
     runs = config.runs_dir
+    check_access(config.data)  # a source outside what the worker's operator allows is refused before any stage
     tracking.check(config)  # a tracking server that does not answer fails before any stage runs
     check_evaluation(config.eval, config.train)  # so do suites that cannot run and a judge that does not answer
     check_registry(config.export.name, runs)  # damaged registry records are repaired, or refused, before any stage

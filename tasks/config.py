@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from tasks import credentials, methods
 
@@ -137,11 +138,22 @@ def _tree(fields: dict[str, dict[str, Any]], required: bool) -> dict[str, Any]:
 
 
 def _rule(when: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]], when_absent: bool = False,
-          then_required: bool = False) -> dict[str, Any]:
+          then_required: bool = False, says: str = "") -> dict[str, Any]:
     """A rule between fields, as the UI form and Prefect's server check it: when every field in `when` matches its
     schema, every field in `then` must match its own. A field left out of the parameters has its default:
-    `when_absent` when that default meets the condition, `then_required` when it breaks the requirement."""
-    return {"if": _tree(when, required=not when_absent), "then": _tree(then, required=then_required)}
+    `when_absent` when that default meets the condition, `then_required` when it breaks the requirement. `says`: the
+    sentence the form shows when a then_required rule is broken (a field's own schema says it with _says)."""
+    then_schema = _tree(then, required=then_required)
+    return {"if": _tree(when, required=not when_absent), "then": _says(then_schema, says) if says else then_schema}
+
+
+def _says(schema: dict[str, Any], sentence: str) -> dict[str, Any]:
+    """`schema` as the form checks it, with the CLI's sentence for when it is broken. Prefect's server words a broken
+    rule with jsonschema's own message ("2 is not one of [1]", "'auto' is not of type 'integer'"), except for `not`,
+    whose message quotes the schema it holds: a description there (first, as the server sorts the keys) is what the
+    form's user reads ("2 should not be valid under {'description': 'train.method=grpo trains in one process here:
+    ...', ...}"). The same check: not not."""
+    return {"not": {"description": sentence, "not": schema}}
 
 
 def _form_friendly(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -189,12 +201,16 @@ class DataArgs(_Section):
     source: InCheckout = Field(
         str(EMBEDDED_DATA.relative_to(PROJECT_ROOT)), validate_default=True,
         description="The training data: a local .jsonl, .json, .csv, .parquet or .txt file, a folder or glob of "
-        "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id.",
+        "such files, an fsspec URL (s3://bucket/data/*.jsonl), or a Hugging Face hub dataset id. No credentials in "
+        "a URL: the worker's environment holds them (docs/data.md).",
+        # Prefect's server checks a deployment run's parameters against this before it stores them
+        json_schema_extra=credentials.form_rule("data.source", credentials.FORM_DATA),
     )
     eval_source: InCheckout | None = Field(
         None, description="A fixed evaluation set, in any form data.source takes. When set, all of data.source is "
         "trained on and all of this set is evaluated; a new evaluation set re-evaluates without retraining. "
         "Empty: a share of data.source (eval_fraction) is held out for evaluation.",
+        json_schema_extra=credentials.form_rule("data.eval_source", credentials.FORM_DATA),
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. wikitext-2-raw-v1). Empty: the "
                              "dataset's default configuration.")
@@ -239,15 +255,34 @@ class DataArgs(_Section):
         "examples of data.source (identical after formatting) before the run fails; any overlap is a warning with the "
         "count and a few examples, and prepare_data's metrics hold the count (eval_overlap). 1 only warns.",
     )
-    allowed_roots: list[str] | None = Field(
-        None, description="Folders (or URL prefixes such as s3://bucket/) that data.source must lie in; hub dataset "
-        "ids are always allowed. Set it in a deployment, so that a run started from the UI cannot read other files "
-        "of the worker. Empty: no restriction.",
+    max_record_bytes: int = Field(
+        8 << 20, gt=0, le=1 << 30, description="Most bytes one record (a line of a .jsonl or .txt file, a row) may "
+        "hold; a longer one fails the run before it is tokenized, with its line number. Tokenizing a record takes "
+        "about a hundred times its size in memory. Changes no cache key.",
+    )
+    # not in the form: what a worker may read is its operator's (QLORA_DATA_ROOTS, tasks/allowed.py), which a run
+    # form could otherwise widen; configs that still carry it are read, and it can only narrow (sources.py). Left out
+    # of dumps, so parameters sent to Prefect's server (which refuses a field the form lacks) never hold it.
+    allowed_roots: SkipJsonSchema[list[str] | None] = Field(
+        None, exclude=True, description="Not in the run form, and it can only narrow: the folders (or URL prefixes) "
+        "a worker may read are its operator's, set in the environment variable QLORA_DATA_ROOTS of the worker "
+        "(docs/data.md). A config that still names folders here reads from those only, and a run that names a place "
+        "outside QLORA_DATA_ROOTS is refused before any stage. Empty: QLORA_DATA_ROOTS alone.",
     )
     pack_examples: bool = Field(
         False, description="Pack whole examples into rows of up to max_seq_length tokens when the data is prepared. "
         "Off: speed.packing packs each micro-batch during training instead.",
     )
+
+    @field_validator("source", "eval_source")
+    @classmethod
+    def _no_credentials(cls, value: str | None, info: Any) -> str | None:
+        # refused, not masked: a secret kept in the config reaches Prefect's database, run.json, the manifests and
+        # the model card
+        if value is not None and (why := credentials.refusal(f"data.{info.field_name}", value,
+                                                              credentials.DATA_INSTEAD)):
+            raise ValueError(why)
+        return value
 
 
 class ModelArgs(_Section):
@@ -300,7 +335,7 @@ class LoraArgs(_Section):
 
 OPTIMIZERS = ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused")
 # TrainArgs fields that are the pipeline's, not TrainingArguments' or a TRL config's keywords
-PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern")
+PIPELINE_TRAIN_FIELDS = ("method", "init_adapter", "rewards", "reward_pattern", "reward_timeout_s")
 
 
 def _users(name: str) -> str:
@@ -316,15 +351,18 @@ def _losses_help() -> str:
 
 
 def _method_rules() -> list[dict[str, Any]]:
-    """TrainArgs' form rules of each method (RunConfig._check_method's within this section): its losses and the
+    """TrainArgs' form rules of each method (RunConfig._check_rules' within this section): its losses and the
     rules it sets on train fields."""
     rules = []
     for row in methods.METHODS:
         when = {"method": {"enum": [row.name]}}
-        rules.append(_rule(when, {"loss_type": {"enum": ["auto", *row.losses]}},
-                           when_absent=row.name == DEFAULT_METHOD))
-        rules += [_rule(when, {name: schema}, then_required=bool(schema.get("minItems")))
-                  for name, (schema, _) in row.requires.items()]
+        losses = (f"use one of {', '.join(row.losses)}, or auto for TRL's default" if row.losses else
+                  f"loss_type is for {_users('loss_type').replace('/', ', ')} only: set it to auto")
+        rules.append(_rule(when, {"loss_type": _says({"enum": ["auto", *row.losses]},
+                                                     f"train.loss_type does not go with train.method={row.name}: "
+                                                     f"{losses}")}, when_absent=row.name == DEFAULT_METHOD))
+        rules += [_rule(when, {name: schema}, then_required=True, says=message) if schema.get("minItems") else
+                  _rule(when, {name: _says(schema, message)}) for name, (schema, message) in row.requires.items()]
     return rules
 
 
@@ -379,6 +417,11 @@ class TrainArgs(_Section):
     reward_pattern: str = Field(
         r"\d", description=f"{_users('reward_pattern')}: the regular expression the format reward looks for in an "
         "answer (Python re.search).",
+    )
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description=f"{_users('reward_timeout_s')}: seconds one call of a reward function may take (one "
+        "call scores a micro-batch's answers); a function that takes longer fails the run with its name, and "
+        "training resumes from its latest checkpoint once it is fixed. Changes no cache key.",
     )
     num_generations: int = Field(
         4, ge=2, description=f"{_users('num_generations')}: answers sampled per prompt; per_device_train_batch_size "
@@ -561,7 +604,8 @@ class JudgeArgs(_Section):
     url: str | None = Field(
         None, description="The judge's OpenAI-compatible API (http://host:8000/v1 for a vLLM server; "
         "https://api.openai.com/v1), without credentials. Empty: no judge.",
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("eval.judge.url", "in the environment variable eval.judge.api_key_env "
+                                               "names"),
     )
     model: str = Field("", max_length=200, description="The judge model's name, as the endpoint serves it.")
     api_key_env: str | None = Field(
@@ -693,13 +737,16 @@ class EvalArgs(_Section):
 
 
 _MEASURES = tuple(dict.fromkeys(m.measure for m in methods.METHODS))
+_GGUF_NEEDS_MERGE = "export.gguf needs the merged model: set export.merge=true as well (or export.gguf=[])"
+_REGISTER_NEEDS_MLFLOW = ("track.register_model registers the champion in MLflow: add mlflow to track.backend, or set "
+                          "track.register_model=false")
 
 
 class ExportArgs(_Section):
     """Export and the registry: versions, the promotion gate, the merged model (stage export_adapter)."""
 
     FORM_RULES: ClassVar[list[dict[str, Any]]] = [
-        _rule({"gguf": {"minItems": 1}}, {"merge": {"enum": [True]}}, then_required=True),
+        _rule({"gguf": {"minItems": 1}}, {"merge": {"enum": [True]}}, then_required=True, says=_GGUF_NEEDS_MERGE),
     ]
 
     name: str = Field(
@@ -749,7 +796,7 @@ class ExportArgs(_Section):
     def _gguf_needs_merge(self) -> ExportArgs:
         # the GGUF files are written from merged/: without it there is nothing to convert
         if self.gguf and not self.merge:
-            raise ValueError("export.gguf needs the merged model: set export.merge=true as well (or export.gguf=[])")
+            raise ValueError(_GGUF_NEEDS_MERGE)
         return self
 
 
@@ -761,7 +808,7 @@ class TrackArgs(_Section):
 
     FORM_RULES: ClassVar[list[dict[str, Any]]] = [
         _rule({"register_model": {"enum": [True]}}, {"backend": {"contains": {"enum": ["mlflow"]}}},
-              then_required=True),
+              then_required=True, says=_REGISTER_NEEDS_MLFLOW),
     ]
 
     backend: list[Literal[TRACKING_BACKENDS]] = Field(  # type: ignore[valid-type]
@@ -772,7 +819,7 @@ class TrackArgs(_Section):
         None, description="MLflow tracking server or store (http://host:5000, sqlite:///mlflow.db). Empty: MLflow's "
         "own default (the MLFLOW_TRACKING_URI environment variable, else a local store).",
         # Prefect's server checks a deployment run's parameters against this before it stores them
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("track.mlflow_tracking_uri", credentials.FORM_MLFLOW),
     )
     experiment_name: str = Field("qlora-pipeline", description="MLflow experiment the runs are logged to (created "
                                  "if missing).")
@@ -808,8 +855,7 @@ class TrackArgs(_Section):
     @model_validator(mode="after")
     def _register_needs_mlflow(self) -> TrackArgs:
         if self.register_model and "mlflow" not in self.backend:
-            raise ValueError("track.register_model registers the champion in MLflow: add mlflow to track.backend, "
-                             "or set track.register_model=false")
+            raise ValueError(_REGISTER_NEEDS_MLFLOW)
         return self
 
 
@@ -829,7 +875,7 @@ class ServeArgs(_Section):
         "adapter_name serves the registry's champion, "
         f"checked against the champion's own evaluation first. None: no server is updated. Its API key comes from "
         f"the {SERVE_API_KEY_ENV} environment variable, never from the config.",
-        json_schema_extra={"pattern": credentials.NO_CREDENTIALS},
+        json_schema_extra=credentials.form_rule("serve.url", f"in {SERVE_API_KEY_ENV} of the worker"),
     )
     adapter_name: str | None = Field(
         None, max_length=100, description="The model name clients ask the server for; None = export.name. Each "
@@ -932,15 +978,26 @@ def _export_problem(row: methods.Method, export: ExportArgs) -> str:
 
 
 def _method_run_rules() -> list[dict[str, Any]]:
-    """RunConfig's form rules of each method (_check_method's across sections): its data formats, and FSDP, GPUs
+    """RunConfig's form rules of each method (_check_rules' across sections): its data formats, and FSDP, GPUs
     and hosts where it does not allow them."""
     rules = []
     for row in methods.METHODS:
-        then = {"data.format": {"enum": ["auto", *row.formats]}}
-        then.update({} if row.fsdp else {"speed.fsdp": {"enum": [False]}})
-        then.update({} if row.several_gpus else {"speed.num_gpus": {"enum": [1]}, "speed.num_nodes": {"enum": [1]}})
-        then.update({} if row.across_hosts else {"speed.num_nodes": {"enum": [1]}})
-        then.update({} if row.head == "causal_lm" else {"export.gguf": {"maxItems": 0}})
+        method = f"train.method={row.name}"
+        then = {"data.format": _says({"enum": ["auto", *row.formats]}, f"{method} trains on {row.data_kind} data: set "
+                                     f"data.format to {', '.join(row.formats)} or auto")}
+        fsdp = ", ".join(m.name for m in methods.METHODS if m.fsdp)
+        then.update({} if row.fsdp else {"speed.fsdp": _says({"enum": [False]}, (
+            f"{method} does not run with speed.fsdp (only {fsdp} is tried with FSDP here): set speed.fsdp=false (DDP "
+            "with speed.num_gpus works)"))})
+        one_process = (f"{method} trains in one process here (several are not tried with its TRL trainer): set "
+                       "speed.num_gpus and speed.num_nodes to 1")
+        then.update({} if row.several_gpus else {"speed.num_gpus": _says({"enum": [1]}, one_process),
+                                                 "speed.num_nodes": _says({"enum": [1]}, one_process)})
+        then.update({} if row.across_hosts or not row.several_gpus else {"speed.num_nodes": _says(
+            {"enum": [1]}, f"{method} trains on one host here: set speed.num_nodes to 1")})
+        then.update({} if row.head == "causal_lm" else {"export.gguf": _says({"maxItems": 0}, (
+            f"{method} trains a {row.head} head, which GGUF files (llama.cpp, Ollama) cannot hold: set "
+            "export.gguf=[]"))})
         rules.append(_rule({"train.method": {"enum": [row.name]}}, then, when_absent=row.name == DEFAULT_METHOD))
     return rules
 
@@ -948,12 +1005,20 @@ def _method_run_rules() -> list[dict[str, Any]]:
 class RunConfig(_Section):
     """Everything one pipeline run needs; the Prefect UI renders it as the run form."""
 
-    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_method's, _check_nodes' and _check_fsdp's
+    FORM_RULES: ClassVar[list[dict[str, Any]]] = [  # _check_rules' (the methods', nodes', FSDP's)
         *_method_run_rules(),
-        _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": {"type": "integer"}}),  # _check_nodes
-        _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True),
+        _rule({"speed.num_nodes": {"minimum": 2}}, {"speed.num_gpus": _says(  # _nodes_problem
+            {"type": "integer"}, "speed.num_nodes above 1 trains on speed.num_gpus GPUs of each host, which must be a "
+            "number: the hosts other than this one are not asked how many they have. Set speed.num_gpus to 1 or "
+            "more")}),
+        _rule(_FSDP, {"model.bnb_4bit_quant_storage": {"enum": list(_STORAGE_DTYPES)}}, then_required=True,
+              says="speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+              "rest of each layer: set model.bnb_4bit_quant_storage to bfloat16, float16 or float32"),
         *[_rule({**_FSDP, "model.bnb_4bit_quant_storage": {"enum": [dtype]}},
-                {"model.bnb_4bit_compute_dtype": {"enum": ["auto", dtype]}}) for dtype in _STORAGE_DTYPES],
+                {"model.bnb_4bit_compute_dtype": _says({"enum": ["auto", dtype]}, (
+                    f"speed.fsdp needs the 4-bit weights stored in the compute dtype: with "
+                    f"model.bnb_4bit_quant_storage={dtype}, set model.bnb_4bit_compute_dtype to {dtype} or auto"))})
+          for dtype in _STORAGE_DTYPES],
     ]
 
     runs_dir: Path = Field(Path("runs"), description="Folder that every stage writes its output to; runs that share "
@@ -992,19 +1057,15 @@ class RunConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check_target_modules(self) -> RunConfig:
-        if not self.lora.target_modules:
-            raise ValueError("lora.target_modules is empty: name at least one module, e.g. q_proj")
-        return self
-
-    @model_validator(mode="after")
-    def _check_method(self) -> RunConfig:
-        """The rules of train.method's row in tasks/methods.py, every broken one in one message."""
+    def _check_rules(self) -> RunConfig:
+        """The rules between fields of several sections, every broken one in one message (the run form's allOf says
+        each beside its field): target modules, train.method's row in tasks/methods.py, nodes, FSDP."""
         row = methods.method(self.train.method)
         if row.registry and "name" not in self.export.model_fields_set:  # a registry of its own kind by default
             self.export.name = row.registry
-        problems = [p for p in (_loss_problem(row, self.train.loss_type), _format_problem(row, self.data.format),
-                                *_field_problems(row, self.train), _parallel_problem(row, self.speed),
+        problems = [p for p in (self._target_modules_problem(), _loss_problem(row, self.train.loss_type),
+                                _format_problem(row, self.data.format), *_field_problems(row, self.train),
+                                _parallel_problem(row, self.speed), self._nodes_problem(), self._fsdp_problem(),
                                 _export_problem(row, self.export)) if p]
         if problems:
             raise ValueError("; ".join(problems))
@@ -1012,24 +1073,23 @@ class RunConfig(_Section):
             self.train.init_adapter = f"champion:{self.export.name}"
         return self
 
-    @model_validator(mode="after")
-    def _check_nodes(self) -> RunConfig:
-        if self.speed.num_nodes > 1 and self.speed.num_gpus == "auto":
-            raise ValueError(f"speed.num_nodes={self.speed.num_nodes} trains on speed.num_gpus GPUs of each host, "
-                             "which must be a number: the hosts other than this one are not asked how many they "
-                             "have. Set speed.num_gpus to 1 or more.")
-        return self
+    def _target_modules_problem(self) -> str:
+        return "" if self.lora.target_modules else "lora.target_modules is empty: name at least one module, e.g. q_proj"
 
-    @model_validator(mode="after")
-    def _check_fsdp(self) -> RunConfig:
+    def _nodes_problem(self) -> str:
+        if self.speed.num_nodes > 1 and self.speed.num_gpus == "auto":
+            return (f"speed.num_nodes={self.speed.num_nodes} trains on speed.num_gpus GPUs of each host, which must be "
+                    "a number: the hosts other than this one are not asked how many they have. Set speed.num_gpus to "
+                    "1 or more.")
+        return ""
+
+    def _fsdp_problem(self) -> str:
         storage, compute = self.model.bnb_4bit_quant_storage, self.model.bnb_4bit_compute_dtype
         if self.speed.fsdp and (storage == "uint8" or compute not in ("auto", storage)):
-            raise ValueError(
-                f"speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
-                f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
-                f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}."
-            )
-        return self
+            return (f"speed.fsdp needs the 4-bit weights stored in the compute dtype, so FSDP can shard them with the "
+                    f"rest of each layer; model.bnb_4bit_quant_storage is {storage} and model.bnb_4bit_compute_dtype "
+                    f"{compute}. Set model.bnb_4bit_quant_storage={compute if compute != 'auto' else 'bfloat16'}.")
+        return ""
 
 
 # A config is a few KiB; Prefect stores it as the flow run's parameters, which its server caps at 524,288 bytes
@@ -1141,6 +1201,7 @@ def _reference_rows(prefix: str, model: type[BaseModel], skip: set[str]) -> list
     defaults = {name: info.get_default(call_default_factory=True) for name, info in model.model_fields.items()
                 if not info.is_required()}
     shown_defaults = model.model_construct(**defaults).model_dump(mode="json")  # as YAML or the form spells them
+    shown_defaults = {**defaults, **shown_defaults}  # a field left out of dumps (data.allowed_roots) shows its own
     for name, info in model.model_fields.items():
         if name in skip:
             continue

@@ -2,11 +2,12 @@
 
 A URI in the config travels far: Prefect stores it as the flow run's parameters, run.json and the manifests
 record it, MLflow gets the config as params, the log prints it. So a URI that carries a secret is refused where
-it enters (tasks/config.py TrackArgs, and the MLflow URI a run resolves from its environment), and the secret
-goes where the library reads it from the environment instead (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN).
+it enters (tasks/config.py: TrackArgs, ServeArgs, DataArgs' source and eval_source; and the MLflow URI a run resolves
+from its environment), and the secret goes where the library reads it from the environment instead
+(MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN; a data source's: DATA_INSTEAD).
 
 One definition serves the pydantic validator and the JSON schema that Prefect's server enforces on a
-deployment's parameters (so a URI with credentials typed into the UI form is refused before Prefect stores
+deployment's parameters (form_rule: so a URI with credentials typed into the UI form is refused before Prefect stores
 it): plain regular expressions that Python's `re` and JavaScript read alike (no flags; letters matched
 case-blind by listing both cases).
 """
@@ -29,8 +30,16 @@ USERINFO = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
 # ?...&name=value where name holds a secret word
 # (names bounded in length: an unbounded one made masking a long config value quadratic in its length)
 SECRET_QUERY = r"[?&;][^=&;#]{0,200}(?:" + "|".join(map(_either_case, SECRET_WORDS)) + r")[^=&;#]{0,200}="
-# what a URI without credentials matches (JSON schema `pattern`: searched, so anchored here)
-NO_CREDENTIALS = rf"^(?!{USERINFO[1:]})(?![\s\S]*{SECRET_QUERY})"
+# what a URI with credentials matches (JSON schema `pattern`: searched, like re.search)
+WITH_CREDENTIALS = rf"{USERINFO}|{SECRET_QUERY}"
+
+
+def form_rule(field: str, instead: str) -> dict[str, object]:
+    """The JSON schema that refuses a URI with credentials in the run form (Prefect's server checks it before it
+    stores a run), worded for the form: a `not`, whose refusal quotes its description (a pattern's quotes the
+    regular expression). Not a string (an empty optional field): nothing to refuse."""
+    return {"not": {"description": f"{field} must hold no credentials (a user:password@ part, a token= query): put "
+                                   f"them {instead}", "type": "string", "pattern": WITH_CREDENTIALS}}
 
 
 def found(uri: str) -> list[str]:
@@ -51,13 +60,28 @@ def mask(text: str) -> str:
     return re.sub(rf"({SECRET_QUERY})[^&;#\s'\"]*", r"\1***", text)
 
 
-def refusal(field: str, uri: str) -> str | None:
-    """Why `uri` (from `field`) cannot be used, with the fix; None when it carries no credentials."""
+MLFLOW_INSTEAD = ("in the environment of the process that runs the flow, where MLflow reads them: "
+                  "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (a database store: "
+                  "its driver's own, such as PGPASSWORD or ~/.pgpass)")
+# where a data source's secret goes instead (docs/data.md, "Sources that need a secret"): the environment of the
+# process that runs the flow (the worker's), where each filesystem library reads its own
+DATA_INSTEAD = ("in the environment of the process that runs the flow (the worker's), where the library that reads "
+                "the source finds them: for http(s):// a header in FSSPEC_HTTP, e.g. FSSPEC_HTTP='{\"client_kwargs\": "
+                "{\"headers\": {\"Authorization\": \"Bearer ...\"}}}'; for s3:// AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); for gs:// GOOGLE_APPLICATION_CREDENTIALS; for a hub dataset "
+                "HF_TOKEN (docs/data.md)")
+
+
+FORM_MLFLOW = "in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) of the worker"
+FORM_DATA = "in the worker's environment (FSSPEC_HTTP, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN: docs/data.md)"
+
+
+def refusal(field: str, uri: str, instead: str = MLFLOW_INSTEAD) -> str | None:
+    """Why `uri` (from `field`) cannot be used, with the fix (`instead`: where its secret goes); None when it carries
+    no credentials."""
     kinds = found(uri)
     if not kinds:
         return None
     return (f"{field}={mask(uri)} holds credentials ({' and '.join(kinds)}), which would be written into the run's "
             "records, MLflow's params and Prefect's flow-run parameters. Give the URI without them and put them "
-            "in the environment of the process that runs the flow, where MLflow reads them: "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (a database store: "
-            "its driver's own, such as PGPASSWORD or ~/.pgpass)")
+            f"{instead}")

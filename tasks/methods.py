@@ -135,7 +135,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
 GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")
 GRPO_FIELDS = ("beta", "loss_type", "rewards", "reward_pattern", "num_generations", "max_completion_length",
-               "temperature")
+               "temperature", "reward_timeout_s")
 _PAIRS_SHOWN = (("reward accuracy", "reward_accuracy"), ("reward margin", "reward_margin"))
 
 METHODS: tuple[Method, ...] = (

@@ -1,7 +1,8 @@
 """Every bad input fails before training with one paragraph that names the problem and its fix (issue 17).
 
-Data decoding, config bounds, models and hub ids, runs_dir, data.allowed_roots, a source changing while it is
-read. Stages run alone through .fn(); the CLI only where its exit code and stderr are the behaviour.
+Data decoding, config bounds, models and hub ids, runs_dir, what the worker allows a run to read (QLORA_DATA_ROOTS),
+a source changing while it is read. Stages run alone through .fn(); the CLI only where its exit code and stderr are
+the behaviour.
 """
 
 from __future__ import annotations
@@ -80,21 +81,102 @@ def test_compressed_or_csv_content_named_jsonl_says_what_it_is(tmp_path: Path) -
     assert "holds no rows" not in message
 
 
+def test_records_longer_than_max_record_bytes_are_listed_by_line_and_never_held(tmp_path: Path) -> None:
+    """data.max_record_bytes bounds what one record may hold, whatever the file kind: each longer record is named by
+    its line or row; lines are read as the file gives them otherwise (a limit changes no key)."""
+    import io
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.prepare_data.sources import _bounded_lines
+
+    rows = dolly(12)
+    rows[3]["response"] = rows[7]["response"] = "x" * 500
+    message = fails(tmp_path, jsonl(tmp_path / "d.jsonl", rows), "2 row(s) are longer than data.max_record_bytes "
+                    "(300 bytes)", "d.jsonl line 4 (", "line 8 (", "split such records", max_record_bytes=300)
+    assert "line 5" not in message
+    (tmp_path / "d.txt").write_text("short\n" + "y" * 400 + "\nshort again\n")
+    fails(tmp_path, tmp_path / "d.txt", "d.txt line 2 (401 bytes)", max_record_bytes=300)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    fails(tmp_path, tmp_path / "d.parquet", "d.parquet row 4 (", "row 8 (", max_record_bytes=300)
+    (tmp_path / "d.csv").write_text("instruction,response\nQ?," + "z" * 200_000 + "\nQ2?,A2\n")
+    fails(tmp_path, tmp_path / "d.csv", "cannot be read as CSV (field larger than field limit (131072)", "line 2")
+    kept = prepare_data.fn(DataArgs(source=str(tmp_path / "d.jsonl"), max_record_bytes=600), ModelArgs(),
+                           tmp_path / "runs-kept")
+    assert Path(kept).name == Path(prepare_data.fn(DataArgs(source=str(tmp_path / "d.jsonl")), ModelArgs(),
+                                                   tmp_path / "runs-kept")).name  # the same key: reused
+
+    generator = random.Random(7)
+    for _ in range(50):  # within the limit, the lines of iterating the file, however the blocks cut them
+        data = b"".join(generator.choice([b"\n", b"ab", b"\r\n", b"x" * generator.randint(0, 3000)])
+                        for _ in range(generator.randint(0, 400)))
+        f = io.BytesIO(data)
+        assert list(_bounded_lines(f, f.read(4), 10**9)) == list(io.BytesIO(data))
+        f = io.BytesIO(data)
+        bounded = list(_bounded_lines(f, f.read(4), 1000))
+        assert bounded == [line if len(line) <= 1000 else len(line) for line in io.BytesIO(data)]
+
+
+@pytest.mark.slow
+def test_a_50_mb_line_is_a_user_error_under_a_memory_limit(tmp_path: Path) -> None:
+    """A 50 MB JSON line in a run limited to 3 GiB of address space (tokenized whole, it took 13.7 GB and the OOM
+    killer): exit 2, the one paragraph with its line number, nothing written."""
+    import resource
+
+    from tests.conftest import cli_env
+
+    path = tmp_path / "big.jsonl"
+    lines = [json.dumps(r) for r in dolly(40)]
+    lines.insert(6, json.dumps({"instruction": "Summarize.", "response": "x" * (50 << 20)}))
+    path.write_text("\n".join(lines) + "\n")
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "run", "--set", f"runs_dir={tmp_path / 'runs'}",
+                           "--set", f"data.source={path}"], capture_output=True, text=True, cwd=PROJECT_ROOT,
+                          env=cli_env(tmp_path / "prefect"), preexec_fn=limited, timeout=600)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{path} line 7 (52,428,846 bytes)" in said and "data.max_record_bytes (8,388,608 bytes)" in said, said
+    assert "Traceback" not in done.stderr and "panicked" not in done.stderr
+    assert not list((tmp_path / "runs").glob("*/*/manifest.json"))
+
+
 # ---- data sources ----------------------------------------------------------------------------------------------
 
 
-def test_allowed_roots_confine_the_source(tmp_path: Path) -> None:
+def test_the_workers_operator_confines_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a run may read is its worker's operator's (QLORA_DATA_ROOTS): a link or '..' does not get out; an old
+    config's data.allowed_roots only narrows it, and one that asks for more is refused before any stage."""
+    from tasks.prepare_data.sources import check_access
+
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     inside = jsonl(allowed / "d.jsonl", dolly(12))
-    prepare_data.fn(DataArgs(source=str(inside), eval_fraction=0.3, allowed_roots=[str(allowed)]), ModelArgs(),
-                    tmp_path / "ok-runs")
-    fails(tmp_path, "/etc/hostname", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    monkeypatch.setenv("QLORA_DATA_ROOTS", f"{allowed},s3://bucket/")
+    prepare_data.fn(DataArgs(source=str(inside), eval_fraction=0.3), ModelArgs(), tmp_path / "ok-runs")
+    check_access(DataArgs(source=str(inside), eval_source=str(inside)))
+    outside = "outside what the worker allows (QLORA_DATA_ROOTS)"
+    fails(tmp_path, "/etc/hostname", outside, "ask whoever runs the worker")
     link = allowed / "escape.jsonl"  # a link inside that points outside does not get out
     link.symlink_to(jsonl(tmp_path / "outside.jsonl", dolly(12)))
-    fails(tmp_path, link, "outside data.allowed_roots", allowed_roots=[str(allowed)])
-    fails(tmp_path, f"{allowed}/../outside.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
-    fails(tmp_path, "memory://x/d.jsonl", "outside data.allowed_roots", allowed_roots=[str(allowed)])
+    fails(tmp_path, link, outside)
+    fails(tmp_path, f"{allowed}/../outside.jsonl", outside)
+    fails(tmp_path, "memory://x/d.jsonl", outside)
+    with pytest.raises(UserError, match=r"data.eval_source='/etc/hostname' reads /etc/hostname, outside what"):
+        check_access(DataArgs(source=str(inside), eval_source="/etc/hostname"))
+
+    # an old config that still names its places: they narrow the operator's, and cannot widen them
+    fails(tmp_path, inside, "outside data.allowed_roots", allowed_roots=[str(tmp_path / "other")])
+    with pytest.raises(UserError) as wider:
+        check_access(DataArgs(source="/etc/hostname", allowed_roots=["/", str(allowed)]))
+    assert str(wider.value).startswith("data.allowed_roots names /, outside what the worker allows "
+                                       f"(QLORA_DATA_ROOTS={allowed},s3://bucket/)"), wider.value
+    monkeypatch.delenv("QLORA_DATA_ROOTS")  # no operator's confinement (a terminal's own run): the config's holds
+    fails(tmp_path, "/etc/hostname", "outside data.allowed_roots", allowed_roots=[str(allowed)])
 
 
 def test_url_whose_filesystem_lacks_a_package_names_that_package(tmp_path: Path) -> None:

@@ -310,3 +310,100 @@ def test_a_method_with_a_registry_of_its_own_publishes_there_unless_named() -> N
     assert load_config(None, ["train.method=reward_model"]).export.name == "reward-model"
     assert load_config(None, ["train.method=reward_model", "export.name=rm"]).export.name == "rm"
     assert load_config(None, ["train.method=orpo"]).export.name == "adapter"
+
+
+# ---- the form's words for the rules between fields ------------------------------------------------------------------
+
+# (config, field path, the sentence the form shows beside it): each rule's own words, as the CLI says them
+BROKEN_RULES = [
+    ({"train": {"method": "grpo", "rewards": ["format"]}, "speed": {"num_gpus": 2}}, ["speed", "num_gpus"],
+     "train.method=grpo trains in one process here (several are not tried with its TRL trainer): set "
+     "speed.num_gpus and speed.num_nodes to 1"),
+    ({"speed": {"num_nodes": 2, "num_gpus": "auto"}}, ["speed", "num_gpus"],
+     "speed.num_nodes above 1 trains on speed.num_gpus GPUs of each host, which must be a number"),
+    ({"train": {"method": "dpo"}, "data": {"format": "dolly"}}, ["data", "format"],
+     "train.method=dpo trains on preference data: set data.format to preference or auto"),
+    ({"train": {"loss_type": "sigmoid"}}, ["train", "loss_type"],
+     "train.loss_type does not go with train.method=sft: loss_type is for dpo, kto, grpo only: set it to auto"),
+    ({"train": {"method": "kto", "per_device_train_batch_size": 1}, "data": {"format": "unpaired_preference"}},
+     ["train", "per_device_train_batch_size"], "train.method=kto estimates its KL term from the other answers"),
+    ({"train": {"method": "grpo"}, "data": {"format": "prompts"}}, ["train"],
+     "train.method=grpo learns from rewards, but train.rewards is empty"),
+    ({"export": {"gguf": ["q8_0"]}}, ["export"], "export.gguf needs the merged model: set export.merge=true"),
+    ({"track": {"register_model": True}}, ["track"], "track.register_model registers the champion in MLflow"),
+    ({"speed": {"fsdp": True}}, [], "speed.fsdp needs the 4-bit weights stored in the compute dtype"),
+    ({"speed": {"fsdp": True}, "model": {"bnb_4bit_quant_storage": "bfloat16", "bnb_4bit_compute_dtype": "float16"}},
+     ["model", "bnb_4bit_compute_dtype"], "with model.bnb_4bit_quant_storage=bfloat16, set "
+     "model.bnb_4bit_compute_dtype to bfloat16 or auto"),
+    ({"data": {"source": "http://bot:pw@127.0.0.1/d.jsonl"}}, ["data", "source"],
+     "data.source must hold no credentials"),
+]
+
+
+def _beside(errors: dict, path: list[str]) -> list[str]:
+    """The messages build_error_obj puts at `path` under config (what the form shows beside that field)."""
+    level = next(e for e in errors["errors"] if isinstance(e, dict) and e.get("property") == "config")["errors"]
+    for part in path:
+        level = next(e for e in level if isinstance(e, dict) and e.get("property") == part)["errors"]
+    return [m for m in level if isinstance(m, str)]
+
+
+@pytest.mark.parametrize(("config", "path", "sentence"), BROKEN_RULES)
+def test_the_form_says_each_broken_rule_in_the_clis_words(config: dict, path: list[str], sentence: str) -> None:
+    """Prefect's server words a broken rule with jsonschema's message ("2 is not one of [1]"); the rules carry the
+    CLI's sentence where that message quotes it, beside the field the rule is about."""
+    from prefect.utilities.schema_tools.validation import build_error_obj, validate
+
+    errors = build_error_obj(validate({"config": config}, _form_schema(), raise_on_error=False))
+    shown = _beside(errors, path)
+    assert any(sentence in message for message in shown), (errors, sentence)
+    assert not any(" is not one of " in m or "is not of type" in m or "does not match" in m for m in shown), shown
+    with pytest.raises(ValidationError) as refused:  # the CLI refuses the same config
+        RunConfig.model_validate(config)
+    assert refused.value.errors()
+
+
+def test_the_flow_names_every_broken_rule_at_once() -> None:
+    """With the form's check off ("Validate parameters" off), the flow refuses the config itself: every rule between
+    sections that is broken is named, not the first alone."""
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    with pytest.raises(ParameterTypeError) as refused:
+        qlora_pipeline.validate_parameters({"config": {"speed": {"fsdp": True, "num_nodes": 2, "num_gpus": "auto"},
+                                                       "train": {"loss_type": "sigmoid"}}})
+    said = str(refused.value)
+    for sentence in ("train.loss_type=sigmoid does not go with train.method=sft",
+                     "speed.num_nodes=2 trains on speed.num_gpus GPUs of each host",
+                     "speed.fsdp needs the 4-bit weights stored in the compute dtype"):
+        assert sentence in said, said
+
+
+@pytest.mark.slow  # the session's Prefect server
+def test_the_forms_check_on_the_server_says_every_rule_beside_its_field(prefect_env: Path) -> None:
+    """What the form asks the server (POST /ui/schemas/validate, as the UI does on Submit) for a config that breaks
+    three rules: each sentence beside its own field, all at once. With the deployment's schema enforced, creating the
+    run is refused with a sentence too."""
+    from prefect import get_client
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.qlora_pipeline import qlora_pipeline
+
+    config = {"train": {"method": "grpo", "rewards": ["format"]}, "speed": {"num_gpus": 2},
+              "data": {"format": "dolly"}, "export": {"gguf": ["q8_0"]}}
+    schema = parameter_schema(qlora_pipeline).model_dump_for_openapi()
+    with get_client(sync_client=True) as client:
+        errors = client.request("POST", "/ui/schemas/validate", json={"schema": schema,
+                                                                      "values": {"config": config}}).json()
+        assert not errors["valid"]
+        assert any("trains in one process here" in m for m in _beside(errors, ["speed", "num_gpus"])), errors
+        assert any("trains on prompts data: set data.format to prompts or auto" in m
+                   for m in _beside(errors, ["data", "format"])), errors
+        assert any("export.gguf needs the merged model" in m for m in _beside(errors, ["export"])), errors
+        flow_id = client.create_flow_from_name("qlora-pipeline")
+        deployment = client.create_deployment(flow_id, "rules-in-words", enforce_parameter_schema=True,
+                                              parameter_openapi_schema=schema)
+        with pytest.raises(Exception, match="409") as refused:
+            client.create_flow_run_from_deployment(deployment, parameters={"config": config})
+        assert "should not be valid under {'description': '" in str(refused.value), refused.value

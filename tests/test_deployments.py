@@ -317,6 +317,48 @@ def test_deploy_from_a_copy_at_another_path_and_from_git(server: dict[str, Any],
         _cli(["deploy"], server["env"], cwd=PROJECT_ROOT)  # the module's other tests use the plain deployments
 
 
+def test_what_a_run_may_read_is_the_operators(server: dict[str, Any], tmp_path: Path) -> None:
+    """The operator allows a folder (QLORA_DATA_ROOTS in the deployment's job variables): a run from the form cannot
+    widen it, neither by data.allowed_roots (not in the form; refused by the server, and before any stage with the
+    form's check off) nor by its own job variables, and a source outside is refused before any stage."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    data = allowed / "data.jsonl"
+    data.write_text("".join(EMBEDDED_DATA.read_text().splitlines(keepends=True)[:200]))
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("qlora-pipeline/embedded-default")
+        client.update_deployment(deployment.id, DeploymentUpdate(job_variables={"env": {
+            "QLORA_DATA_ROOTS": str(allowed)}}))
+    try:
+        runs = {"runs_dir": str(tmp_path / "runs")}
+        with get_client(sync_client=True) as client:
+            with pytest.raises(Exception, match="409") as refused:  # the form has no such field: refused at Submit
+                client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                    **runs, "data": {"source": "/etc/hostname", "allowed_roots": ["/"]}}})
+            assert "allowed_roots" in str(refused.value)
+            widened = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": str(data)}}}, job_variables={"env": {"QLORA_DATA_ROOTS": "/"}}).id
+            client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=False))
+            wider = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": "/etc/hostname", "allowed_roots": ["/"]}}}).id
+            outside = client.create_flow_run_from_deployment(deployment.id, parameters={"config": {
+                **runs, "data": {"source": "/etc/hostname"}}}).id
+        for run_id, said in ((widened, "this run's job variables set QLORA_DATA_ROOTS in its environment"),
+                             (wider, "data.allowed_roots names /, outside what the worker allows (QLORA_DATA_ROOTS="),
+                             (outside, "data.source='/etc/hostname' reads /etc/hostname, outside what the worker "
+                                       "allows (QLORA_DATA_ROOTS)")):
+            run = _wait(run_id)
+            assert run.state.type.value == "FAILED" and said in " ".join(run.state.message.split()), run.state
+            assert settled_task_states(run_id) == {}, run_id  # before any stage
+        assert not (tmp_path / "runs" / "prepare_data").exists()
+    finally:
+        with get_client(sync_client=True) as client:
+            client.update_deployment(deployment.id, DeploymentUpdate(job_variables={}, enforce_parameter_schema=True))
+
+
 def test_deploy_says_its_next_steps_once(server: dict[str, Any], tmp_path: Path) -> None:
     """Prefect's report repeats `prefect worker start ...` for every deployment; ours names our worker, once."""
     out = _cli(["deploy"], server["env"], cwd=tmp_path)
@@ -337,24 +379,37 @@ def test_a_refused_config_is_one_line_in_the_run_log(server: dict[str, Any], tmp
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("qlora-pipeline/embedded-default")
         client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=False))
+    # three rules between sections broken at once: every one is named (the flow checked them one after another and
+    # named the first)
+    rules = {"runs_dir": str(tmp_path / "runs"), "train": {"loss_type": "sigmoid"},
+             "speed": {"fsdp": True, "num_nodes": 2, "num_gpus": "auto"}}
     try:
         run = _wait(_start_run("embedded-default", {"runs_dir": str(tmp_path / "runs"), "train": {"max_steps": 0}}))
+        ruled = _wait(_start_run("embedded-default", rules))
     finally:
         with get_client(sync_client=True) as client:
             client.update_deployment(deployment.id, DeploymentUpdate(enforce_parameter_schema=True))
-    assert run.state.type.value == "FAILED"
-    deadline = time.time() + 30  # the log lines reach the server in batches, after the state
-    while True:
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        errors = [log.message for log in logs if log.level >= 40]
-        if errors or time.time() > deadline:
-            break
-        time.sleep(1)
+
+    def error_lines(run: Any) -> tuple[list[str], str]:
+        deadline = time.time() + 30  # the log lines reach the server in batches, after the state
+        while True:
+            with get_client(sync_client=True) as client:
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            errors = [log.message for log in logs if log.level >= 40]
+            if errors or time.time() > deadline:
+                return errors, "\n".join(log.message for log in logs)
+
+    assert run.state.type.value == "FAILED" and ruled.state.type.value == "FAILED"
+    errors, text = error_lines(run)
     assert len(errors) == 1, errors
     assert errors[0].startswith("Invalid configuration: config.train.max_steps: 0 steps would train nothing"), errors
-    text = "\n".join(log.message for log in logs)
     assert "Traceback" not in text and "Engine execution exited" not in text and text.count("max_steps") == 1, text
+    errors, text = error_lines(ruled)
+    assert len(errors) == 1 and "Traceback" not in text, errors
+    for sentence in ("train.loss_type=sigmoid does not go with train.method=sft",
+                     "speed.num_nodes=2 trains on speed.num_gpus GPUs of each host",
+                     "speed.fsdp needs the 4-bit weights stored in the compute dtype"):
+        assert sentence in errors[0], errors
 
 
 def _browser() -> Any:

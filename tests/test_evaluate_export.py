@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,10 @@ def test_registry_gate_promotes_first_rejects_worse_promotes_better(trained: dic
     root = tmp_path / "exports" / "a"
 
     def publish(key: str, loss: float) -> dict[str, Any]:
-        return registry.publish(root, source, key, {"tuned_eval_loss": loss, "base_eval_loss": 2.5}, 0.05,
+        stage = tmp_path / f"stage-{key}"  # an export stage folder per key, as the stage makes them
+        if not stage.exists():
+            shutil.copytree(source, stage)
+        return registry.publish(root, stage, key, {"tuned_eval_loss": loss, "base_eval_loss": 2.5}, 0.05,
                                 "evalsplit", lambda folder, record: f"card of {folder.name}: {record['promotion']}")
 
     first = publish("k1", 2.0)
@@ -197,7 +201,7 @@ def test_registry_gate_promotes_first_rejects_worse_promotes_better(trained: dic
     assert rejected["champion_before"]["version"] == "v0001"
     assert (root / "v0001" / "README.md").read_text() == "card of v0001: promoted"
     assert (root / "v0002" / "README.md").read_text() == "card of v0002: rejected"
-    assert (source / "README.md").read_text() == "stage card"  # the hard-linked source was not written through
+    assert (tmp_path / "stage-k1" / "README.md").read_text() == "stage card"  # the hard-linked source: not written
     assert not (root / "v0001" / MANIFEST).exists()
     assert sorted(p.name for p in root.iterdir()) == ["champion.json", "v0001", "v0002", "v0003"]
     # the same stage key again (its manifest lost after publishing) gets its version back, not a new one

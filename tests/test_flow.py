@@ -109,6 +109,11 @@ def test_rerun_of_unchanged_config_is_cached_and_writes_nothing(default_run: dic
     names = sorted(s for v in settled_task_states(runs[0].id).values() for s in v)
     assert str(runs[0].id).startswith(flow_run_id)
     assert names == ["Cached"] * 6  # the five stages and score_champion (the champion is this adapter)
+    # what this run did, in the runs list and on its page: nothing new published (not "promoted" every night)
+    assert "unchanged" in runs[0].tags and "promoted" not in runs[0].tags, runs[0].tags
+    assert runs[0].state.message.startswith("adapter: nothing new published; this run's adapter is v0001, published "
+                                            "by an earlier run (promoted then: first version"), runs[0].state.message
+    assert runs[0].state.message.endswith("champion now v0001"), runs[0].state.message
     exports = default_run["runs_dir"] / "exports" / "adapter"
     assert sorted(p.name for p in exports.glob("v*")) == ["v0001"]  # a cached export publishes nothing
 
@@ -121,3 +126,4 @@ def test_eval_only_change_recomputes_exactly_two_stages(default_run: dict[str, A
     # a new export stage key, but the champion's own adapter with nothing to add: no second copy of it
     assert (summary["metrics"]["export_version"], summary["metrics"]["gate_rule"]) == ("v0001", "same-adapter")
     assert summary["metrics"]["promotion_reason"].endswith("with the same formats: nothing to add: not published again")
+    assert summary["metrics"]["export_published"] == "by an earlier run"  # so its tag is unchanged, not promoted

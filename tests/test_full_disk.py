@@ -75,7 +75,9 @@ def test_checkpoint_on_a_full_disk_is_one_paragraph_and_resumes(small_disk: Path
     _full_disk_paragraph(info, "train_adapter", runs)
     assert not list(runs.rglob(MANIFEST)) and not list(runs.glob("train_adapter/*/adapter"))
     complete = [c.name for c in runs.glob("train_adapter/*/checkpoints/checkpoint-*") if (c / "complete").is_file()]
-    assert complete == ["checkpoint-1"]  # kept for the resume; a half-written one has no marker and is skipped
+    assert complete == ["checkpoint-1"]  # kept for the resume
+    left = [c.name for c in runs.glob("train_adapter/*/checkpoints/*")]
+    assert left == ["checkpoint-1"]  # the half-written one is removed now, as the paragraph says, not on the next run
     filler.unlink()
     folder = Path(train_adapter.fn(lora, train, SpeedArgs(), runs, stages["data"], stages["model"]))
     made = json.loads((folder / MANIFEST).read_text())

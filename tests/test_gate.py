@@ -142,7 +142,9 @@ def test_same_data_gate_rejects_a_worse_adapter_the_old_rule_would_promote(night
 def test_a_champion_that_cannot_be_scored_falls_back_to_the_cross_night_rule(nights: dict[str, Any]) -> None:
     _night(nights, "fallback", "easy", "weak")
     root = registry.registry_dir(nights["runs"], "fallback")
-    for file in (root / "v0001" / registry.VERSION_FILE, root / registry.CHAMPION):  # as if on another base model
+    published = registry.source_dir(root, registry.version_record(root, "v0001")) / registry.PUBLISHED
+    # as if on another base model (the stage folder's copy too: a record unlike it is damage, and restored from it)
+    for file in (root / "v0001" / registry.VERSION_FILE, root / registry.CHAMPION, published / registry.VERSION_FILE):
         file.write_text(json.dumps({**json.loads(file.read_text()), "base_model": "another"}))
     evaluated, exported = _night(nights, "fallback", "hard", "strong")
     assert exported.get("judged_against") is None and "judged_against" not in _metrics(evaluated)

@@ -230,12 +230,20 @@ def test_cpu_threads_share_the_cores_and_an_explicit_count_wins(prefect_env: Pat
     monkeypatch.delenv(cpus.THREADS_VARIABLE, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpus, "host_cores", lambda: 12)  # a bigger host than this one, for distinct shares
+    monkeypatch.setattr(cpus.os, "getloadavg", lambda: (0.5, 0.5, 0.5))  # and an idle one
     with concurrency(CPU_LIMIT, occupy=3, lease_duration=60):  # three other runs compute now
         assert cpu_threads("test") == 3
         assert cpus.cpu_share_threads()[1].startswith("4 run(s) computing on 12 cores (active slots of 'qlora-cpu'")
         assert cpu_threads("test", holding=True) == 4  # this run is one of the three
         assert cpu_threads("test", processes=2) == 1
     assert cpu_threads("test") == 12
+    # a host busy with other work: the server counts this run alone, the load says the cores are taken (a run
+    # started by a worker took both cores of a host at load 11, and its two threads waited for each other)
+    monkeypatch.setattr(cpus, "host_cores", lambda: 2)
+    monkeypatch.setattr(cpus.os, "getloadavg", lambda: (11.0, 9.0, 6.0))
+    assert cpus.cpu_share_threads() == (1, "1 run(s) computing on 2 cores (active slots of 'qlora-cpu', this run "
+                                           "included); load average 11.0 on 2 cores: 1 thread(s) (set "
+                                           "QLORA_CPU_THREADS to choose)")
     monkeypatch.setenv(cpus.THREADS_VARIABLE, "5")
     assert cpu_threads("test") == 5
 

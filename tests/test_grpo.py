@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,16 @@ def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
         def too_few(prompts, completions, **_):
             return [0.0]
+
+        def sleeps(prompts, completions, **_):
+            import time
+            time.sleep(3600)
+
+        def not_a_number(prompts, completions, **_):
+            return [float("nan")] * (len(completions) - 1) + [1.0]
+
+        def infinite(prompts, completions, **_):
+            return [float("-inf")] + [0.0] * (len(completions) - 1)
     """))
     monkeypatch.syspath_prepend(str(path.parent))
     monkeypatch.setenv("QLORA_REWARD_MODULES", "myrewards")
@@ -214,14 +225,36 @@ def test_per_step_reward_kl_and_length_reach_tensorboard(prompt_stages: dict[str
 @pytest.mark.parametrize(("name", "message"), [
     ("myrewards:raises", "The reward function myrewards:raises raised KeyError: 'score'. Fix the function"),
     ("myrewards:too_few", "The reward function myrewards:too_few returned 1 values for 8 answers"),
+    ("myrewards:sleeps", "The reward function myrewards:sleeps did not return within train.reward_timeout_s=2 s for "
+                         "8 answers"),
+    ("myrewards:not_a_number", "The reward function myrewards:not_a_number returned 7 value(s) that are not finite "
+                               "numbers (such as nan) for 8 answers"),
+    ("myrewards:infinite", "The reward function myrewards:infinite returned 1 value(s) that are not finite numbers "
+                           "(such as -inf)"),
 ])
 def test_a_failing_reward_function_stops_training_with_one_paragraph(
         reward_module: Path, prompt_stages: dict[str, str], tmp_path: Path, name: str, message: str) -> None:
-    config = _config(**{"train.rewards": f"['{name}']", "train.max_steps": 2})
+    """An exception, a wrong count, a call that never returns (bounded by train.reward_timeout_s: the run does not
+    wait for ever) and a NaN or infinite reward: one paragraph naming the function, nothing half-written."""
+    config = _config(**{"train.rewards": f"['{name}']", "train.max_steps": 2, "train.reward_timeout_s": 2})
+    started = time.monotonic()
     with pytest.raises(UserError, match=message.replace("(", "\\(").replace(")", "\\)")):
         _train(config, tmp_path, prompt_stages)
+    assert time.monotonic() - started < 300
     assert not list(tmp_path.glob("train_adapter/*/manifest.json"))  # nothing half-written
     assert not list(tmp_path.glob("train_adapter/*/adapter"))
+
+
+def test_a_reward_timeout_keys_nothing(prompt_stages: dict[str, str], tmp_path: Path) -> None:
+    """How long a reward may take changes no adapter: the same key, and no other method reads the field."""
+    from tasks.train_adapter.stage import spec
+
+    def key(*overrides: str) -> str:
+        config = _config(*overrides, **{"train.rewards": "[format]"})
+        return spec(config.lora, config.train, config.speed, tmp_path, prompt_stages["data"],
+                    prompt_stages["model"]).key
+
+    assert key("train.reward_timeout_s=5") == key() == key("train.reward_timeout_s=600")
 
 
 def test_rewards_that_read_a_missing_column_fail_before_training(prompt_stages: dict[str, str],

@@ -192,6 +192,138 @@ def test_history_in_a_process_never_prints_a_traceback(published: dict[str, Any]
     assert registry.champion(root)["version"] == "v0002"
 
 
+def _set(path: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))  # json writes NaN and Infinity as a hand edit in Python would
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_champion_whose_numbers_were_set_non_finite_by_hand_is_repaired(published: dict[str, Any], tmp_path: Path,
+                                                                          value: float,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN or infinite metric is damage: the record comes back from its stage folder, and no gate compares against
+    it (every challenger was "rejected ... needed < nan", and the summary crashed)."""
+    runs, root = _copy(published, tmp_path)
+    whole = _tree(root)
+    for path in (root / registry.CHAMPION, root / "v0002" / registry.VERSION_FILE):
+        _set(path, lambda r: r["metrics"].update(tuned_eval_loss=value))
+    code, out, err = _history(runs, capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert "has no finite number for metrics.tuned_eval_loss" in err and err.count("repaired: restored v0002") == 1
+    assert "nan" not in out and "inf" not in out and _tree(root) == whole
+    _set(root / registry.CHAMPION, lambda r: r["metrics"].update(tuned_eval_loss=value))  # champion.json alone
+    registry.check_registry("adapter", runs)
+    assert _tree(root) == whole
+
+
+def test_a_champion_with_non_finite_weights_set_by_hand_is_never_the_bar(published: dict[str, Any],
+                                                                         tmp_path: Path) -> None:
+    """Weights replaced by a diverged adapter's, hashes edited to match: the record differs from what its stage
+    folder published, so the version is restored before any stage. A champion that still scores NaN on a run's data
+    (its stage folder gone) is not compared against: the challenger is judged against the base model."""
+    from safetensors.torch import load_file, save_file
+
+    runs, root = _copy(published, tmp_path)
+    whole = _tree(root)
+    weights = root / "v0002" / "adapter_model.safetensors"
+    weights.unlink()  # a hard link into the stage folder: replace it, as a hand copy would
+    tensors = load_file(published["template"] / "exports" / "adapter" / "v0002" / "adapter_model.safetensors")
+    save_file({k: v.clone().fill_(float("nan")) for k, v in tensors.items()}, weights)
+    for path in (root / "v0002" / registry.VERSION_FILE, root / registry.CHAMPION):
+        _set(path, lambda r: r["files"].update({"adapter_model.safetensors": file_sha256(weights)}))
+    registry.check_registry("adapter", runs)  # what a run does before any stage
+    assert _tree(root) == whole and not registry.non_finite(root / "v0002")
+
+    from tasks.registry.gate import identity
+
+    champion = registry.champion(root)
+    source = tmp_path / "challenger"
+    shutil.copytree(Path(published["adapters"]["weak"]) / "adapter", source)
+    record = registry.publish(root, source, "challenger", {
+        "tuned_eval_loss": 6.0, "base_eval_loss": 6.9, "champion_eval_loss": float("nan"),
+        "champion_adapter": identity(champion), "judged_against": "v0002"}, 0.01, "d", lambda folder, rec: "card")
+    assert record["promotion"] == "promoted" and "nan" not in record["reason"].split(":")[-1], record["reason"]
+    assert record["reason"].startswith(
+        "champion v0002's eval loss is nan on this run's eval data (same-data rule): it is damaged, so it is not "
+        "compared against; judged against the base model instead: tuned eval loss 6.0000 beats the base model's "
+        "6.9000"), record["reason"]
+
+
+def test_a_version_folder_copied_in_by_hand_is_refused_not_listed(published: dict[str, Any], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """v0001 copied to v0003 and its record renamed: not a version any stage published, so `history` names it and the
+    fix (it listed it as promoted), `promote` refuses in one paragraph (it died with "Deadlock"), and moving it out
+    is the fix."""
+    runs, root = _copy(published, tmp_path)
+    shutil.copytree(root / "v0001", root / "v0003")
+    _set(root / "v0003" / registry.VERSION_FILE, lambda r: r.update(version="v0003", path="exports/adapter/v0003"))
+    code, out, err = _history(runs, capsys)
+    assert code == USER_ERROR_EXIT and "Traceback" not in err
+    assert f"{root / 'v0003' / registry.VERSION_FILE} claims to be v0003, but its export stage folder" in err
+    assert "published it as v0001 (a version folder copied in by hand?)" in err and "Move each of those" in err
+    assert [line[:9] for line in out.splitlines() if line.startswith("| v0")] == ["| v0001 |", "| v0002 |"]
+    with pytest.raises(UserError, match="claims to be v0003"):
+        registry.check_registry("adapter", runs)  # a run: refused before any stage
+    code = main(["promote", "adapter", "v0001", "--set", f"runs_dir={runs}"])
+    out, err = capsys.readouterr()
+    assert code == USER_ERROR_EXIT and "claims to be v0003" in err and "The champion was not changed" in err
+    assert "Traceback" not in err and "Deadlock" not in err
+    assert json.loads((root / registry.CHAMPION).read_text())["version"] == "v0002"
+    shutil.move(root / "v0003", tmp_path / "set-aside")
+    assert main(["promote", "adapter", "v0001", "--set", f"runs_dir={runs}"]) == 0
+    assert registry.champion(root)["version"] == "v0001"
+
+
+def test_a_champion_record_that_is_a_folder_and_a_linked_version_folder(published: dict[str, Any], tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """champion.json a folder: an empty one is replaced by the record, one with files is left and named with the fix
+    (`run` exited 1 with IsADirectoryError, `history` advised a permissions fix). A version folder that is a link to
+    a copy with a damaged record: the link gives way to the version restored from its stage folder, the copy it
+    pointed to is left as it was (it raised "exists although no version.json names it")."""
+    runs, root = _copy(published, tmp_path)
+    whole = _tree(root)
+    (root / registry.CHAMPION).unlink()
+    (root / registry.CHAMPION).mkdir()
+    code, out, err = _history(runs, capsys)
+    assert code == 0 and "removed the empty folder champion.json" in err and _tree(root) == whole, err
+    (root / registry.CHAMPION).unlink()
+    (root / registry.CHAMPION).mkdir()
+    (root / registry.CHAMPION / "notes.txt").write_text("mine")
+    code, out, err = _history(runs, capsys)
+    assert code == USER_ERROR_EXIT and "Traceback" not in err and "user who can write" not in err
+    assert f"{root / registry.CHAMPION} is a folder, not the registry's champion record, and it holds files" in err
+    with pytest.raises(UserError, match="Move it away"):
+        registry.check_registry("adapter", runs)
+    shutil.move(root / registry.CHAMPION, tmp_path / "champion.json.bad")  # the fix it gives
+    registry.check_registry("adapter", runs)
+    assert _tree(root) == whole
+
+    elsewhere = tmp_path / "copy-of-v0002"
+    shutil.move(root / "v0002", elsewhere)
+    (root / "v0002").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / registry.VERSION_FILE).write_bytes(b"")
+    code, out, err = _history(runs, capsys)
+    assert code == 0 and "Traceback" not in err and err.count("repaired: restored v0002") == 1, err
+    assert not (root / "v0002").is_symlink() and _tree(root) == whole
+    assert (elsewhere / registry.VERSION_FILE).read_bytes() == b""  # the link's target is not the registry's
+
+
+@pytest.mark.slow  # the command as typed: a process with Prefect's temporary server
+def test_run_refuses_a_champion_record_that_is_a_folder_with_exit_2(published: dict[str, Any], tmp_path: Path) -> None:
+    from tests.conftest import cli_env
+
+    runs, root = _copy(published, tmp_path)
+    (root / registry.CHAMPION).unlink()
+    (root / registry.CHAMPION).mkdir()
+    (root / registry.CHAMPION / "notes.txt").write_text("mine")
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "run", "--set", f"runs_dir={runs}"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=cli_env(tmp_path / "p"))
+    said = " ".join(done.stderr.split())
+    assert done.returncode == USER_ERROR_EXIT and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "is a folder, not the registry's champion record" in said and "Move it away" in said
+
+
 @pytest.mark.parametrize("name", ["../..", "/etc", "a/b", ".hidden"])
 def test_history_validates_the_export_name_as_export_name_is(tmp_path: Path, name: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,6 +411,8 @@ def test_a_first_version_that_does_not_beat_its_base_model_is_not_champion(publi
         "run's eval data by more than the 1.0% margin (needed < 6.8336); a version becomes the first champion only "
         "when it beats its base model")
     assert registry.champion(root) is None and not (root / registry.CHAMPION).exists()
+    source = tmp_path / "stage-2"  # a stage folder publishes one version (its key's)
+    shutil.copytree(Path(published["adapters"]["weak"]) / "adapter", source)
     preference = registry.publish(root, source, "k2", {"tuned_eval_loss": 1.0, "tuned_reward_accuracy": 0.5,
                                                        "base_reward_accuracy": 0.5}, 0.01, "d",
                                   lambda folder, record: "card", {"method": "dpo"})

@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 
 from tasks.on_disk.manifest import MANIFEST
-from tests.conftest import cli, cli_env, finish, last_json, run_flow, small_overrides, statuses, wait_for_checkpoint
+from tests.conftest import (
+    cli,
+    cli_env,
+    finish,
+    last_json,
+    run_flow,
+    session_processes,
+    small_overrides,
+    statuses,
+    wait_for_checkpoint,
+)
 
 ALL_COMPUTED = dict.fromkeys(
     ["prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter"], "computed")
@@ -196,3 +206,54 @@ def test_sigterm_during_training_crashes_with_hooks_and_resumes(small_data: Path
     train = last_json(out)["stages"]["train_adapter"]
     assert train["status"] == "resumed" and train["resumed_from_step"] >= 2
     assert json.loads((Path(train["dir"]) / MANIFEST).read_text())["metrics"]["optimizer_steps"] == steps
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+def test_sigterm_to_the_run_alone_reaches_its_training_child_on_the_gpu_pool(
+        prefect_env: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose GPU came from the pool trains in a child process (tasks/train_adapter/launch.py). SIGTERM to the
+    run's process alone (as systemd and Kubernetes send it): the child stops within seconds instead of training to
+    its end while the run waits, the latest complete checkpoint stays, and the same command resumes from it."""
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.setup import ensure_gpu_limit
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a 1-GPU worker, simulated as tests/test_gpu_pool.py does
+    ensure_gpu_limit(1)
+    steps = 40
+    runs = tmp_path / "runs"
+    args = ["run", "--json", *sum((["--set", o] for o in small_overrides(
+        small_data, runs, **{"train.max_steps": steps, "train.save_steps": 2})), [])]
+    env = {**cli_env(tmp_path / "prefect"), "PREFECT_API_URL": PREFECT_API_URL.value(), "CUDA_VISIBLE_DEVICES": "0"}
+    try:
+        proc = cli(args, env, tmp_path / "first")
+        try:
+            wait_for_checkpoint(proc, runs, tmp_path / "first")
+            os.kill(proc.pid, signal.SIGTERM)  # the process alone, not its group
+            signalled = time.monotonic()
+            proc.wait(timeout=120)
+            took = time.monotonic() - signalled
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        err = (tmp_path / "first.err").read_text()
+        assert proc.returncode == 143 and "one process on GPU(s) 0" in err, err[-3000:]
+        assert took < 45, f"the run took {took:.0f} s to end after SIGTERM"
+        deadline = time.monotonic() + 15
+        while session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not session_processes(proc.pid), "the training child outlived the run"
+        (folder,) = [f for f in runs.glob("train_adapter/*") if f.is_dir()]
+        kept = sorted(int(c.name.split("-")[1]) for c in folder.glob("checkpoints/checkpoint-*")
+                      if (c / "complete").is_file())
+        assert kept and max(kept) < steps and not (folder / MANIFEST).exists(), kept
+
+        rerun = cli(args, env, tmp_path / "rerun")
+        out, err = finish(rerun, tmp_path / "rerun", timeout=900)
+        assert rerun.returncode == 0, err[-3000:]
+        train = last_json(out)["stages"]["train_adapter"]
+        assert train["status"] == "resumed" and train["resumed_from_step"] == max(kept)
+        assert json.loads((Path(train["dir"]) / MANIFEST).read_text())["metrics"]["optimizer_steps"] == steps
+    finally:
+        ensure_gpu_limit(0)

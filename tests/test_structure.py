@@ -1,14 +1,13 @@
 """The package layout (README: Layout): which group of modules may import which.
 
-tasks/ is layered. At the bottom the base (config, errors, log, credentials, offline, tested_versions, methods and
-the package's own __init__), which imports nothing of the pipeline but itself. Above it the contract's groups, each a
-package named for what it holds, each importing the base, itself and the groups below it only: the GPU pool and
-CPU share, hashing, the on-disk contract, models and devices, the registry, the reward functions (a reward model is
-a registry version), sweeps, reporting. At the top one
-package per stage, importing the base and the contract, never another stage. Nothing in tasks/ imports flows/ or
-deployments/, flows/ never imports deployments/, and no module imports itself back through others. Read from the
-source (ast), lazy imports inside functions included, so the rules hold for every import, not only those done at
-load time.
+tasks/ is layered. At the bottom the base (config, errors, log, credentials, offline, tested_versions, methods,
+allowed and the package's own __init__), which imports nothing of the pipeline but itself. Above it the contract's
+groups, each a package named for what it holds, each importing the base, itself and the groups below it only: the
+GPU pool and CPU share, hashing, the on-disk contract, models and devices, the registry, the reward functions (a
+reward model is a registry version), sweeps, reporting. At the top one package per stage, importing the base and the
+contract, never another stage. Nothing in tasks/ imports flows/ or deployments/, flows/ never imports deployments/,
+and no module imports itself back through others. Read from the source (ast), lazy imports inside functions
+included, so the rules hold for every import, not only those done at load time.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from tasks.config import PROJECT_ROOT
 TASKS = PROJECT_ROOT / "tasks"
 STAGES = ("prepare_data", "prepare_model", "train_adapter", "evaluate_adapter", "export_adapter")
 BASE = ("tasks", "tasks.config", "tasks.errors", "tasks.log", "tasks.credentials", "tasks.offline",
-        "tasks.tested_versions", "tasks.methods")
+        "tasks.tested_versions", "tasks.methods", "tasks.allowed")
 # the contract's groups, lowest first: a group imports the base, itself and the groups before it
 CONTRACT = ("pool", "hashing", "on_disk", "models", "registry", "rewards", "sweep", "reporting")
 

@@ -146,6 +146,7 @@ def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str
     assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/README.md"} <= artifacts
     champion = client.get_model_version_by_alias("adapter", "champion")
     assert champion.run_id == run_id and champion.tags["qlora.export_version"] == "v0001"
+    assert first["tracking"]["mlflow"]["registered"] == "registered as adapter version 1, alias champion"
 
     events = EventAccumulator(str(tb / f"train_adapter-{train.key}"))
     events.Reload()
@@ -176,6 +177,15 @@ def test_one_tracked_run_per_result_in_mlflow_and_tensorboard(mlflow_server: str
     assert [m.step for m in client.get_metric_history(child_id, "loss")] == [1, 2, 3, 4, 5, 6]
     events.Reload()  # the training's folder: the second result's eval metrics beside the first's
     assert len(events.Scalars("eval/tuned_eval_loss")) == 2
+
+    # a version the gate rejects is not registered, and the summary says why (it said nothing)
+    rejected = run_flow(small_overrides(small_data, runs, **track, **{
+        "track.register_model": "true", "train.max_steps": 5, "export.promotion_margin": 0.99}))
+    assert rejected["metrics"]["promotion"] == "rejected"
+    assert rejected["tracking"]["mlflow"]["registered"].startswith(
+        "not registered in adapter: v0002 is not the champion of the exports registry (rejected; the champion is "
+        "v0001), and only the champion is registered"), rejected["tracking"]
+    assert len(client.search_model_versions("name = 'adapter'")) == 1
 
 
 @pytest.mark.slow
@@ -279,7 +289,7 @@ def test_tracking_writes_only_under_runs_dir_or_allowed_roots(tmp_path: Path) ->
         tracking.check(load_config(None, [f"{k}={v}" for k, v in confined.items()]))
 
     for outside in (elsewhere / "tb", runs / "link" / "tb", f"{runs}/../elsewhere/tb"):
-        with pytest.raises(UserError, match="outside runs_dir and data.allowed_roots"):
+        with pytest.raises(UserError, match="outside runs_dir and the data's places"):
             check(**{"track.backend": "tensorboard", "track.tensorboard_dir": outside})
     check(**{"track.backend": "tensorboard"})  # runs_dir/tensorboard
     check(**{"track.backend": "tensorboard", "track.tensorboard_dir": data / "tb"})

@@ -158,7 +158,7 @@ def _stage_metrics(root: Path, name: str, record: dict[str, Any]) -> dict[str, A
             "promotion_reason": record["reason"],
             "champion_version": now and now["version"],
             "champion_tuned_eval_loss": now and now["metrics"]["tuned_eval_loss"], "gate_rule": record.get("rule"),
-            **scores}
+            "published_now": record.get("published_now", True), **scores}
 
 
 def _fmt(value: Any) -> str:

@@ -1,8 +1,8 @@
 """Disk space: a stage that knows what it will write checks before writing, and a full disk is one paragraph.
 
 A stage that runs out of space mid-write leaves no manifest (it is written last), so nothing half-written is
-ever taken as done; open_stage also removes the partial outputs (checkpoints excepted: an incomplete one has no
-`complete` marker and is skipped on resume), freeing what they held.
+ever taken as done; open_stage also removes the partial outputs, a checkpoint cut short among them (complete
+checkpoints stay, for the resume), freeing what they held.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import platform
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -154,12 +154,15 @@ class StageRun:
 
 
 @contextmanager
-def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun]:
+def open_stage(spec: StageSpec, keep: tuple[str, ...] = (),
+               tidy: Callable[[Path], object] | None = None) -> Iterator[StageRun]:
     """Lock the stage folder; yield it done (reuse) or cleared for computing.
 
     The lock is an OS file lock (flock), so a process killed while holding it releases it: a stale
     lock never blocks. A second run needing the same key waits here and then reuses the result.
-    `keep` names entries of a half-finished folder to keep (training checkpoints, for resume).
+    `keep` names entries of a half-finished folder to keep (training checkpoints, for resume); `tidy(folder)`
+    removes what of those a full disk left half-written (train_adapter: a checkpoint without its marker), so that
+    the disk-full paragraph's "partial outputs were removed" holds for them too.
     """
     check_runs_dir(spec.runs_dir)
     key = spec.key
@@ -188,6 +191,8 @@ def open_stage(spec: StageSpec, keep: tuple[str, ...] = ()) -> Iterator[StageRun
             if not disk.is_out_of_space(exc, folder):
                 raise
             _clear(folder, keep)  # the partial outputs: free what they held
+            if tidy is not None:
+                tidy(folder)
             raise disk.out_of_space(spec.stage, spec.runs_dir, folder) from exc
         if not run.done:
             raise RuntimeError(f"{spec.stage}: the stage body returned without calling finish()")

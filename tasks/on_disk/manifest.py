@@ -216,6 +216,9 @@ class ExportMetrics(ChampionScores):
     champion_version: str | None
     champion_tuned_eval_loss: float | None
     gate_rule: str | None = None  # first | same-data | cross-night | same-adapter | unlike (tasks/registry/gate.py)
+    # False: this stage published nothing (the champion's own adapter again, with nothing to add); None: older
+    # manifests, which published whenever they computed
+    published_now: bool | None = None
 
 
 METRICS: dict[str, type[_Metrics]] = {"prepare_data": DataMetrics, "prepare_model": ModelMetrics,

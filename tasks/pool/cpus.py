@@ -2,9 +2,9 @@
 
 CPU share (cpu_share, cpu_threads): `qlora-cpu` is a counter, not a gate (CPU_COUNTER_SLOTS): every process that
 trains or evaluates holds one slot while it computes, so its active slots are the runs computing on this host now,
-and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share;
-without a Prefect server the 1-minute load average over the cores stands for the number of runs (load 4 on 2 cores:
-2, so 1 thread each).
+and each takes cores // runs threads. QLORA_CPU_THREADS (or OMP_NUM_THREADS) set by the user overrides the share.
+The 1-minute load average over the cores counts as well (load 4 on 2 cores: 2 runs' worth, so 1 thread each), with a
+server or without one (then it is all there is to count): work that is not a run takes cores too.
 """
 
 from __future__ import annotations
@@ -54,23 +54,30 @@ def cpu_share_threads(processes: int = 1, holding: bool = False) -> tuple[int, s
 
 
 def _runs_computing(cores: int, holding: bool) -> tuple[int, str]:
-    """How many runs compute on this host now, this one included, and what was measured to say so."""
-    if uses_server():
-        from prefect import get_client
-        from prefect.exceptions import ObjectNotFound
+    """How many runs' worth of work compete for this host's cores now, this run included, and what was measured to
+    say so: the runs the server counts (active slots of `qlora-cpu`) or the host's load, whichever is more.
 
-        with get_client(sync_client=True) as client:
-            try:
-                active = client.read_global_concurrency_limit_by_name(cpu_limit()).active_slots
-            except ObjectNotFound:
-                return 1, (f"{cores} cores, other runs not counted (no {cpu_limit()!r} limit on the server: "
-                           "`qlora-pipeline setup` creates it)")
-        runs = max(1, active + (0 if holding else 1))
-        return runs, f"{runs} run(s) computing on {cores} cores (active slots of {cpu_limit()!r}, this run included)"
-    # no shared server: the runs cannot see each other, only how busy the host is; a load of twice the cores counts
-    # as two runs' worth of work, whoever makes it
+    The load counts too where there is a server: a run started by a worker on a host busy with other work (a load of
+    11 on 2 cores) took both cores while the server counted it alone, and its two threads waited for each other (27 to
+    155 tokens/s, against about 600 with the one thread a terminal's run took on the same host). A load of twice the
+    cores counts as two runs' worth of work, whoever makes it."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, round(load / cores)), f"load average {load:.1f} on {cores} cores"
+    busy = max(1, round(load / cores))
+    measured = f"load average {load:.1f} on {cores} cores"
+    if not uses_server():  # the runs cannot see each other, only how busy the host is
+        return busy, measured
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            active = client.read_global_concurrency_limit_by_name(cpu_limit()).active_slots
+        except ObjectNotFound:
+            return busy, (f"{measured}, other runs not counted (no {cpu_limit()!r} limit on the server: "
+                          "`qlora-pipeline setup` creates it)")
+    runs = max(1, active + (0 if holding else 1))
+    counted = f"{runs} run(s) computing on {cores} cores (active slots of {cpu_limit()!r}, this run included)"
+    return max(runs, busy), f"{counted}; {measured}"
 
 
 @contextmanager

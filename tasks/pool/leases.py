@@ -351,10 +351,14 @@ def _new_sentinel(client: Any, repaired: list[str], lost: str, previous: str | N
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, VariableCreate, VariableUpdate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-    try:
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=SENTINEL_LIMIT, limit=1))
-    except ObjectAlreadyExists:
-        pass
+    try:  # looked up first: a create that collides makes the server log an IntegrityError with its traceback (an
+        # ephemeral server prints it in this process: `setup` run twice without a server showed one)
+        client.read_global_concurrency_limit_by_name(SENTINEL_LIMIT)
+    except ObjectNotFound:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=SENTINEL_LIMIT, limit=1))
+        except ObjectAlreadyExists:  # another process created it meanwhile
+            pass
     sentinel = _lease(client, (SENTINEL_LIMIT,), 1, None, SENTINEL_SECONDS)
     value = {"sentinel": str(sentinel), "repaired_at": time.time() if repaired else None, "repaired": repaired,
              "token": _token(lost)}

@@ -86,7 +86,7 @@ def read_part(folder: Path) -> dict[str, Any] | None:
 
 
 def prepare(fs: Any, paths: list[str], settings: Settings, tokenizer: dict[str, str], version: str,
-            parts_dir: Path, problems: Problems, workers: int) -> tuple[list[Path], int]:
+            parts_dir: Path, problems: Problems, workers: int, limit: int) -> tuple[list[Path], int]:
     """Each file's part folder, in file order, and how many were tokenized: reused where the part exists,
     tokenized otherwise (all missing ones through one pool). Bad rows of every file go to `problems`; such a
     file gets no part."""
@@ -103,7 +103,7 @@ def prepare(fs: Any, paths: list[str], settings: Settings, tokenizer: dict[str, 
 
     def chunks() -> Iterator[RawChunk]:
         for path, writer in writers.items():
-            for chunk in file_chunks(fs, path, writer.problems):
+            for chunk in file_chunks(fs, path, writer.problems, limit):
                 order.append(path)
                 yield chunk
 

@@ -16,14 +16,17 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks import allowed, credentials
 from tasks.config import DataArgs
 from tasks.errors import UserError
 from tasks.hashing.files import file_sha256, files_fingerprint
 from tasks.hashing.keys import hash_json
+from tasks.log import logger
 from tasks.models.sources import is_local, resolve_hub_revision
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".raw")  # .txt/.raw: one text row per line
@@ -44,6 +47,7 @@ class RawChunk:
     rows: Any
     first: int  # line number (lines) or 1-based row number (records) of rows[0]
     unit: str = "line"
+    limit: int | None = None  # data.max_record_bytes: a longer record is a problem (decode), not tokenized
 
 
 @dataclass
@@ -107,6 +111,29 @@ def data_files(source: str, field: str = "data.source") -> tuple[Any, list[str]]
     except ValueError as exc:
         raise UserError(f"{field}={source!r}: {exc}. Give a local path, a URL whose protocol fsspec "
                         "knows (s3://, gs://, ...) or a hub dataset id.") from exc
+    with _refused_access(source, field):
+        paths = _listed(fs, path, source, field)
+    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
+    if not paths:
+        raise UserError(f"{field}={source!r} matched no {'/'.join(SUFFIXES)} files.")
+    return fs, paths
+
+
+@contextmanager
+def _refused_access(source: str, field: str) -> Iterator[None]:
+    """A server that refuses the request (HTTP 401 or 403, an object store's access denied) is a UserError naming
+    where the credentials go: the environment of the process that runs the flow, never the URL."""
+    try:
+        yield
+    except Exception as exc:
+        status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
+        if "://" not in source or (not isinstance(exc, PermissionError) and status not in (401, 403)):
+            raise
+        raise UserError(f"{field}={source!r}: the server refused access ({status or type(exc).__name__}: "
+                        f"{str(exc)[:200]}). Give the credentials {credentials.DATA_INSTEAD}.") from None
+
+
+def _listed(fs: Any, path: str, source: str, field: str) -> list[str]:
     if glob.has_magic(path):
         paths = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):
@@ -119,37 +146,68 @@ def data_files(source: str, field: str = "data.source") -> tuple[Any, list[str]]
     else:
         raise UserError(f"{field}={source!r}: no such file. Give a {'/'.join(SUFFIXES)} file, a folder or "
                         "glob of them, a URL, or a hub dataset id such as databricks/databricks-dolly-15k.")
-    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
-    if not paths:
-        raise UserError(f"{field}={source!r} matched no {'/'.join(SUFFIXES)} files.")
-    return fs, paths
+    return paths
 
 
 def _is_local_fs(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def roots(args: DataArgs) -> list[str] | None:
+    """The places data may be read from: the config's data.allowed_roots where an old config still names them (they
+    lie inside the operator's, check_access), else the operator's QLORA_DATA_ROOTS (tasks/allowed.py); None: any."""
+    return args.allowed_roots if args.allowed_roots is not None else allowed.data_roots()
+
+
+def check_access(args: DataArgs) -> None:
+    """Before any stage: the run asks to read nothing its worker's operator does not allow (QLORA_DATA_ROOTS) through
+    its config (data.allowed_roots of an old config, data.source, data.eval_source) or its job variables; one
+    UserError listing every problem."""
+    allowed.check_run_overrides()
+    problems = []
+    operator = allowed.data_roots()
+    if args.allowed_roots is not None:
+        logger().warning("data.allowed_roots is no longer a run parameter (a run form could widen it): it only narrows "
+                         "what the worker allows. Drop it from the config and set the places in the worker's "
+                         "environment, %s=%s (docs/data.md)", allowed.DATA_ROOTS, ",".join(args.allowed_roots))
+    if operator is not None and args.allowed_roots is not None:
+        wider = [root for root in args.allowed_roots if not allowed.inside(root, operator)]
+        if wider:
+            problems.append(f"data.allowed_roots names {', '.join(wider)}, outside what the worker allows "
+                            f"({allowed.DATA_ROOTS}={','.join(operator)}): a config can only narrow that. Leave "
+                            "data.allowed_roots out (it is no longer a run parameter), or ask whoever runs the "
+                            f"worker to add the place to {allowed.DATA_ROOTS}.")
+    for name in ("source", "eval_source"):
+        source = getattr(args, name)
+        if source is not None and not problems:
+            try:
+                check_allowed(args.model_copy(update={"source": source}), field=f"data.{name}")
+            except UserError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise UserError(" ".join(problems))
+
+
 def check_allowed(args: DataArgs, paths: list[str] | None = None, field: str = "data.source") -> None:
-    """With data.allowed_roots set, the source and every file read must lie inside one of them (links resolved).
+    """Where reading is confined (roots), the source and every file read must lie inside one of the allowed places
+    (links resolved).
 
     Called before the source is looked at (nothing is said about files outside) and again on the files found.
     """
-    roots = args.allowed_roots
-    if roots is None or is_hub(args.source):
+    allowed_places = roots(args)
+    if allowed_places is None or is_hub(args.source):
         return
     if paths is None and "://" not in args.source:
         static = args.source[:min((args.source.find(c) for c in "*?[" if c in args.source), default=None)]
         paths = [static or "."]
-    if "://" in args.source:
-        outside = [] if any(args.source.startswith(r) for r in roots if "://" in r) else [args.source]
-    else:
-        folders = [Path(r).expanduser().resolve() for r in roots if "://" not in r]
-        outside = [p for p in paths or [] if not any(Path(p).expanduser().resolve().is_relative_to(f)
-                                                     for f in folders)]
+    outside = [p for p in ([args.source] if "://" in args.source else paths or [])
+               if not allowed.inside(p, allowed_places)]
     if outside:
-        raise UserError(f"{field}={args.source!r} reads {', '.join(outside[:5])}"
-                        f"{' ...' if len(outside) > 5 else ''}, outside data.allowed_roots ({', '.join(roots)}). "
-                        "Put the data in one of those folders, or ask whoever runs the deployment to allow its place.")
+        who = ("data.allowed_roots" if args.allowed_roots is not None
+               else f"what the worker allows ({allowed.DATA_ROOTS})")
+        raise UserError(f"{field}={args.source!r} reads {', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}, "
+                        f"outside {who}: {', '.join(allowed_places)}. Put the data in one of those places, or ask "
+                        f"whoever runs the worker to allow its place (environment variable {allowed.DATA_ROOTS}).")
 
 
 def fingerprint(args: DataArgs, field: str = "data.source", runs_dir: Path | None = None) -> str:
@@ -187,40 +245,57 @@ def _remote_sha256(fs: Any, path: str) -> str:
 def read_chunks(args: DataArgs, problems: Problems, field: str = "data.source") -> Iterator[RawChunk]:
     """The source's rows in chunks, in a fixed order (files sorted by name)."""
     if is_hub(args.source):
-        yield from _hub_chunks(args)
+        for chunk in _hub_chunks(args):
+            chunk.limit = args.max_record_bytes
+            yield chunk
         return
     fs, paths = data_files(args.source, field)
     check_allowed(args, paths, field)
     for path in paths:
-        yield from file_chunks(fs, path, problems)
+        yield from file_chunks(fs, path, problems, args.max_record_bytes)
 
 
-def file_chunks(fs: Any, path: str, problems: Problems) -> Iterator[RawChunk]:
-    """One data file's rows in chunks; a chunk never spans two files."""
+def file_chunks(fs: Any, path: str, problems: Problems, limit: int) -> Iterator[RawChunk]:
+    """One data file's rows in chunks; a chunk never spans two files. A record longer than `limit` bytes is a
+    problem, never held whole: a line's bytes are skipped as they are read."""
     with fs.open(path, "rb") as f:
         if path.endswith(".csv"):
-            yield from _csv_chunks(f, path, problems)
+            chunks = _csv_chunks(f, path, problems)
         elif path.endswith(".parquet"):
-            yield from _arrow_chunks(_parquet_batches(f), path)
+            chunks = _arrow_chunks(_parquet_batches(f), path)
         elif path.endswith((".txt", ".raw")):
-            yield from _line_chunks(f, path, "text_lines", problems)
+            chunks = _line_chunks(f, path, "text_lines", problems, limit)
         elif path.endswith(".json") and _starts_array(f):
-            yield from _json_array_chunks(f, path, problems)
+            chunks = _json_array_chunks(f, path, problems)
         else:
-            yield from _line_chunks(f, path, "json_lines", problems)
+            chunks = _line_chunks(f, path, "json_lines", problems, limit)
+        for chunk in chunks:
+            chunk.limit = limit
+            yield chunk
 
 
-def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems
+def too_long(limit: int) -> str:
+    """The problem of a record longer than data.max_record_bytes, with its fix."""
+    return (f"are longer than data.max_record_bytes ({limit:,} bytes), more than one record may hold: tokenizing a "
+            "record takes about a hundred times its size in memory (split such records, or raise "
+            "data.max_record_bytes where the worker has the memory)")
+
+
+def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], problems: Problems, limit: int
                  ) -> Iterator[RawChunk]:
     rows: list[bytes] = []
     first = size = 0
-    for number, line in enumerate(f, start=1):
+    head = f.read(4)
+    kind_of = next((what for magic, what in _BINARY.items() if head.startswith(magic)), None)
+    if kind_of:
+        problems.add(f"are not text: the file is {kind_of} (decompress or convert it to {Path(where).suffix} "
+                     "text first)", where, "line 1")
+        return
+    for number, line in enumerate(_bounded_lines(f, head, limit), start=1):
+        if isinstance(line, int):  # longer than the limit: its bytes were not kept
+            problems.add(too_long(limit), where, f"line {number} ({line:,} bytes)")
+            continue
         if number == 1:
-            kind_of = next((what for magic, what in _BINARY.items() if line.startswith(magic)), None)
-            if kind_of:
-                problems.add(f"are not text: the file is {kind_of} (decompress or convert it to {Path(where).suffix} "
-                             "text first)", where, "line 1")
-                return
             line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as .csv and .json accept
         if not rows:
             first = number
@@ -231,6 +306,34 @@ def _line_chunks(f: Any, where: str, kind: Literal["json_lines", "text_lines"], 
             rows, size = [], 0
     if rows:
         yield RawChunk(where, kind, rows, first)
+
+
+def _bounded_lines(f: Any, head: bytes, limit: int) -> Iterator[bytes | int]:
+    """The lines of binary file `f` (whose first bytes, `head`, were read already) with their newline, as iterating
+    the file gives them; a line longer than `limit` bytes as its length instead, its bytes dropped as they are read
+    (a 50 MB line was read, decoded and tokenized whole, and the kernel killed the run for its memory)."""
+    partial: list[bytes] = []  # the line so far, while it is within the limit
+    held = skipped = 0  # its bytes held; bytes of an over-long line seen (0: not skipping)
+    block = head
+    while block:
+        lines = block.split(b"\n")
+        for piece in lines[:-1]:  # complete lines (each ended by a newline)
+            if skipped or held + len(piece) + 1 > limit:
+                yield skipped + held + len(piece) + 1
+            else:
+                yield b"".join([*partial, piece, b"\n"])
+            partial, held, skipped = [], 0, 0
+        tail = lines[-1]
+        if skipped or held + len(tail) > limit:
+            skipped, partial, held = skipped + held + len(tail), [], 0
+        elif tail:
+            partial.append(tail)
+            held += len(tail)
+        block = f.read(1 << 20)
+    if skipped:
+        yield skipped
+    elif held:
+        yield b"".join(partial)
 
 
 def _starts_array(f: Any) -> bool:
@@ -257,24 +360,29 @@ def _csv_chunks(f: Any, where: str, problems: Problems) -> Iterator[RawChunk]:
     # the csv module, not pyarrow's reader: it gives the line number of every ragged or undecodable row
     text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
     reader = csv.reader(text)
-    header = next(reader, [])
     records: list[dict[str, str]] = []
-    line, count = reader.line_num, 0
-    for row in reader:
-        start, line = line + 1, reader.line_num
-        if not row:
-            continue
-        if _SURROGATE.search("".join(row)):
-            problems.add("are not UTF-8 (save the file as UTF-8)", where, f"line {start}")
-        elif len(row) != len(header):
-            problems.add(f"have a different number of fields than the header's {len(header)} (quote fields "
-                         "that contain commas or line breaks)", where, f"line {start} ({len(row)} fields)")
-        else:
-            count += 1
-            records.append(dict(zip(header, row, strict=True)))
-            if len(records) >= CHUNK_ROWS:
-                yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
-                records = []
+    try:
+        header = next(reader, [])
+        line, count = reader.line_num, 0
+        for row in reader:
+            start, line = line + 1, reader.line_num
+            if not row:
+                continue
+            if _SURROGATE.search("".join(row)):
+                problems.add("are not UTF-8 (save the file as UTF-8)", where, f"line {start}")
+            elif len(row) != len(header):
+                problems.add(f"have a different number of fields than the header's {len(header)} (quote fields "
+                             "that contain commas or line breaks)", where, f"line {start} ({len(row)} fields)")
+            else:
+                count += 1
+                records.append(dict(zip(header, row, strict=True)))
+                if len(records) >= CHUNK_ROWS:
+                    yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
+                    records = []
+    except csv.Error as exc:  # a field longer than the csv module reads: the rest of the file cannot be parsed
+        problems.add(f"cannot be read as CSV ({exc}; a field that long belongs in a .jsonl or .parquet file)", where,
+                     f"line {reader.line_num}")
+        return
     if records:
         yield RawChunk(where, "records", records, count - len(records) + 1, unit="row")
 
@@ -343,9 +451,23 @@ def decode(chunk: RawChunk, mapping: dict[str, str], problems: Problems) -> Iter
     for i, record in enumerate(rows):
         if record is None:
             continue
+        if chunk.kind in ("records", "arrow") and chunk.limit and (size := _record_bytes(record)) > chunk.limit:
+            problems.add(too_long(chunk.limit), chunk.where, f"{at(chunk.first + i)} ({size:,} bytes)")
+            continue
         if mapping:
             record = {mapping.get(k, k): v for k, v in record.items()}
         yield at(chunk.first + i), record
+
+
+def _record_bytes(value: Any) -> int:
+    """About how many bytes a record's text takes (its strings' lengths, nested values included)."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_record_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_record_bytes(v) for v in value)
+    return 8
 
 
 def _text_line(raw: bytes, file: str, where: str, problems: Problems) -> dict[str, str] | None:

@@ -47,7 +47,8 @@ VERSION = "2"
 OUTPUTS = ["train.parquet", "eval.parquet"]
 # where each input lies, not what it holds: out of the key (the fingerprint has the bytes or hub commit)
 LOCATED = ("data.source", "data.eval_source", "data.allowed_roots", "tokenizer.source")
-CHECKS = ("data.max_eval_overlap",)  # passes or fails the stage, changes nothing it writes: out of the key
+CHECKS = ("data.max_eval_overlap", "data.max_record_bytes")  # pass or fail the stage, change nothing it
+# writes: out of the key
 
 
 def spec(args: DataArgs, model: ModelArgs, runs_dir: Path) -> StageSpec:
@@ -201,7 +202,7 @@ class _Source:
             return self._straight(settings, report)
         fs, paths = self.files
         folders, self.computed = parts.prepare(fs, paths, settings, keyed, VERSION, parts_dir, self.problems,
-                                               _cores())
+                                               _cores(), self.args.max_record_bytes)
         self.reused = len(paths) - self.computed
         return self._from_parts(folders, report)
 

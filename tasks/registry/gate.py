@@ -26,6 +26,7 @@ verdict keeps the champion.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tasks import methods
@@ -77,6 +78,11 @@ def gate(metrics: dict[str, Any], current: dict[str, Any] | None, margin: float,
     if theirs.get(measure.key) is None:
         return "promoted", (f"tuned {measure.label} {_number(mine, measure)}; champion {current['version']} has no "
                             f"{measure.label} to beat (another method trained it)")
+    if not math.isfinite(theirs[measure.key]):  # a damaged champion (NaN weights): never the bar to clear
+        promotion, reason = _first(metrics, margin, measure)
+        return promotion, (f"champion {current['version']}'s {measure.label} is {theirs[measure.key]} {where}: it is "
+                           "damaged, so it is not compared against; judged against the base model instead: "
+                           f"{reason.removeprefix(_FIRST)}")
     return _judged(mine, theirs[measure.key], f"champion {current['version']}'s", margin, where, measure)
 
 

@@ -33,6 +33,7 @@ rules are gate.py's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -112,7 +113,7 @@ def _record_problem(record: Any) -> str:
     metrics = record["metrics"]
     numbers = [k for k in _METRIC_NUMBERS if metrics.get(k) is not None and not _is_number(metrics[k])]
     if not _is_number(metrics.get("tuned_eval_loss")) or numbers:
-        return f"has no number for metrics.{', metrics.'.join(numbers or ['tuned_eval_loss'])}"
+        return f"has no finite number for metrics.{', metrics.'.join(numbers or ['tuned_eval_loss'])}"
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in record.get("files", {}).items()):
         return "has the wrong type for files"
     return ""
@@ -123,7 +124,9 @@ def _kind(value: Any) -> str:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite number: a NaN or infinite metric (set by hand, or by a tool) makes a record damaged, so that no gate
+    ever compares against it ("needed < nan" rejected every challenger)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _version_folders(root: Path) -> list[Path]:
@@ -133,12 +136,16 @@ def _version_folders(root: Path) -> list[Path]:
 
 
 def _records(root: Path) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Every version folder's intact record, oldest first, and the folders whose record is not intact (and why)."""
+    """Every version folder's intact record, oldest first, and the folders whose record is not intact (and why). A
+    record that differs from the one its export stage folder published (a folder copied in by hand and renamed, a
+    number or a hash edited) is not intact: it would be listed, compared and promoted as what it is not."""
     good, bad = [], []
     for folder in _version_folders(root):
         record, problem = read_record(folder / VERSION_FILE)
         if record is not None and record["version"] != folder.name:
             problem = f"names version {record['version']}, not {folder.name}"
+        elif record is not None:
+            problem = _unlike_published(root, record)
         if record is None and not problem:
             problem = "is missing"
         if problem:
@@ -148,8 +155,27 @@ def _records(root: Path) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     return good, bad
 
 
+def _unlike_published(root: Path, record: dict[str, Any]) -> str:
+    """'' when the export stage folder that published `record` (its source) holds the same record, or cannot tell
+    (gone, or from before stage folders kept it); else how the two differ."""
+    try:
+        source = source_dir(root, record)
+    except (OSError, ValueError):
+        return ""
+    published, _ = read_record(source / PUBLISHED / VERSION_FILE)
+    if published is None or published == record:
+        return ""
+    if published["version"] != record["version"]:
+        return (f"claims to be {record['version']}, but its export stage folder {source} published it as "
+                f"{published['version']} (a version folder copied in by hand?)")
+    changed = sorted(k for k in {*published, *record} if published.get(k) != record.get(k))
+    return f"differs from the record its export stage folder {source} published (in {', '.join(changed)})"
+
+
 def _champion_file(root: Path) -> tuple[str | None, str]:
     """(the version champion.json names, what is wrong with the file, '' if nothing); (None, '') without one."""
+    if (root / CHAMPION).is_dir():
+        return None, "is a folder, not a file"
     try:
         data = json.loads((root / CHAMPION).read_bytes())
     except FileNotFoundError:
@@ -163,7 +189,7 @@ def _champion_file(root: Path) -> tuple[str | None, str]:
         return None, "names no version"
     if not isinstance(data.get("path"), str) or not isinstance(data.get("metrics"), dict) or not _is_number(
             data["metrics"].get("tuned_eval_loss")):
-        return version, "lacks its path or metrics, or has them of the wrong type"
+        return version, "lacks its path or metrics, or has them of the wrong type or not finite"
     return version, ""
 
 
@@ -177,9 +203,23 @@ def _champion_problem(root: Path, records: list[dict[str, Any]]) -> str:
     record = next((r for r in records if r["version"] == version), None)
     if record is None:
         return f"{CHAMPION} names {version}, which is gone"
+    if changed := _unlike_record(root, record):
+        return f"{CHAMPION} differs from {version}'s record (in {', '.join(changed)})"
     if record["promotion"] == "promoted" or _made_by_hand(root):  # `promote` may choose any version
         return ""
     return f"{CHAMPION} names {version}, which was rejected"
+
+
+_FROM_RECORD = ("path", "metrics", "eval_data", "files", "base_model", "published_at")  # champion.json copies these
+
+
+def _unlike_record(root: Path, record: dict[str, Any]) -> list[str]:
+    """The fields champion.json copies from its version's record that it holds otherwise (an edit by hand)."""
+    try:
+        data = json.loads((root / CHAMPION).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return []
+    return [k for k in _FROM_RECORD if data.get(k) != record.get(k)] if isinstance(data, dict) else []
 
 
 def _made_by_hand(root: Path) -> bool:
@@ -237,18 +277,37 @@ def _heal_champion(root: Path) -> list[str]:
     if not problem:
         return []
     done = []
+    if (root / CHAMPION).is_dir():  # nothing can replace a folder; an empty one holds nothing to lose
+        if any((root / CHAMPION).iterdir()):
+            raise UserError(f"{root / CHAMPION} is a folder, not the registry's champion record, and it holds files, "
+                            "so it was left as it is. Move it away (mv it to champion.json.bad, say), then run again: "
+                            "the registry writes champion.json anew for its newest promoted version.")
+        (root / CHAMPION).rmdir()
+        done.append(f"removed the empty folder {CHAMPION}")
     version = _champion_file(root)[0]
     if version and not (root / version).exists() and (source := _publisher(root, version)) is not None:
         _place_version(root, source, version)  # the champion's folder was deleted: its stage folder has it
         done.append(f"restored {version}, the champion, from {source}")
     record = version and version_record(root, version)
-    if not record or record["promotion"] != "promoted":
+    by_hand = record and _made_by_hand(root) and _champion_by_hand(root)
+    if by_hand:  # a champion chosen by `promote`, its numbers edited: the same choice, its record's numbers
+        record = {**record, "reason": by_hand["reason"], "rule": BY_HAND}
+    elif not record or record["promotion"] != "promoted":
         record = next((r for r in reversed(_records(root)[0]) if r["promotion"] == "promoted"), None)
     if record is None:
         (root / CHAMPION).unlink(missing_ok=True)
         return [*done, f"removed {CHAMPION} ({problem}): no version was promoted"]
     _write_champion(root, record)
     return [*done, f"rewrote {CHAMPION} ({problem}): champion {record['version']}"]
+
+
+def _champion_by_hand(root: Path) -> dict[str, Any] | None:
+    """champion.json as `promote` wrote it (its reason a string), else None."""
+    try:
+        data = json.loads((root / CHAMPION).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("reason"), str) else None
 
 
 def _publisher(root: Path, version: str) -> Path | None:
@@ -281,8 +340,9 @@ def _export_name(stage: Path) -> str | None:
 
 def _lost(root: Path, lost: list[str]) -> str:
     return (f"the exports registry {root.name} has {len(lost)} damaged record(s) that no export stage folder can "
-            f"restore: {'; '.join(lost)}. Nothing was published; the export stage folders that published them "
-            f"(runs_dir/export_adapter/<key>/{PUBLISHED}/) are gone or damaged too. Move each of those version folders "
+            f"restore: {'; '.join(lost)}. Nothing was published; no export stage folder holds those records as it "
+            f"published them (runs_dir/export_adapter/<key>/{PUBLISHED}/: gone, damaged too, or a folder copied in by "
+            "hand was never published as that version). Move each of those version folders "
             f"out of {root} (it then stops being a version; the registry goes on with the others), or put back an "
             "intact copy of it, then run again.")
 
@@ -532,10 +592,14 @@ def _place_version(root: Path, source: Path, version: str, replacing: bool = Fal
         for name in ("README.md", VERSION_FILE):
             (tmp / name).unlink(missing_ok=True)  # may be a hard link to the stage's card: never write through
             shutil.copyfile(source / PUBLISHED / name, tmp / name)
-        if replacing:
+        if replacing and (root / version).is_symlink():  # a link put there by hand: the link goes, its target stays
+            (root / version).unlink()
+        elif replacing:
             shutil.rmtree(root / version, ignore_errors=True)
-        if (root / version).exists():  # rename would replace an empty folder; never overwrite anything
-            raise RuntimeError(f"{root / version} exists although no version.json names it; remove it by hand")
+        if (root / version).exists() or (root / version).is_symlink():  # rename would replace an empty folder
+            raise UserError(f"{root / version} is in the way of the version restored from {source}, and it could "
+                            "not be removed (a file, or a folder this user cannot change). Move it out of the "
+                            "registry, then run again.")
         os.rename(tmp, root / version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -661,7 +725,7 @@ def promote(root: Path, version: str) -> dict[str, Any]:
         raise ValueError(f"{root} has no version {version} (versions: {known})")
     if record.get("files") and (problem := repaired(root, record)):
         raise ValueError(f"{version} cannot be champion: {problem}")
-    with FileLock(str(root) + ".lock"):
+    with _lock(root):  # the registry's own lock object: a second FileLock on the same file inside it is a deadlock
         now = champion(root)
         reason = f"made champion by hand (qlora-pipeline promote; the champion was {now and now['version']})"
         _write_champion(root, {**record, "reason": reason, "rule": BY_HAND})

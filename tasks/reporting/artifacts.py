@@ -129,6 +129,7 @@ def run_completed(train_status: str, steps: int | None) -> None:
 _VERDICTS = ("promoted", "rejected")  # the promotion gate's (tasks/registry/gate.py)
 NOT_UPDATED = "not updated"  # serving's status (tasks/export_adapter/serving.py) when the server kept what it served
 NOT_SERVED = "not-served"  # the tag of a run whose serve.url server does not serve the champion
+UNCHANGED = "unchanged"  # the tag of a run that published nothing (verdict)
 
 
 class NotServed(Exception):
@@ -141,19 +142,26 @@ class NotServed(Exception):
 
 
 def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> Any:
-    """The run's final state: the registry's verdict as its message (on the run's page) and as a tag (in the runs
-    list), so the result is seen without opening an artifact; `summary` is the flow's result. Completed, unless
-    serve.url's server was not updated (summary["serving"]): then Failed, the message saying why, the tag not-served,
-    so that a schedule, the failure alert and the UI tell it from a run whose champion is served. `who`: whose verdict
-    it is, for a sweep its winner."""
+    """The run's final state: what this run did to the registry as its message (on the run's page) and as a tag (in
+    the runs list), so the result is seen without opening an artifact; `summary` is the flow's result. The tag is the
+    verdict of the version this run published (promoted, rejected), or unchanged when it published nothing (every
+    stage cached, or the champion's own adapter again): a night on unchanged data does not look like a promotion.
+    Completed, unless serve.url's server was not updated (summary["serving"]): then Failed, the message saying why,
+    the tag not-served, so that a schedule, the failure alert and the UI tell it from a run whose champion is served.
+    `who`: whose verdict it is, for a sweep its winner."""
     from prefect.states import Completed, Failed
 
     serving = summary.get("serving") or {}
-    message = "" if "promotion" not in metrics else (
-        f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
-        f"{metrics['promotion_reason']}" + (" (published by an earlier run; nothing was recomputed)" if
-                                            metrics.get("export_published") == "by an earlier run" else ""))
-    tags = [metrics["promotion"]] if "promotion" in metrics else []
+    message, tags = "", []
+    if "promotion" in metrics and metrics.get("export_published") == "by an earlier run":
+        message = (f"{who}{metrics['export_name']}: nothing new published; this run's adapter is "
+                   f"{metrics['export_version']}, published by an earlier run ({metrics['promotion']} then: "
+                   f"{metrics['promotion_reason']}); champion now {metrics.get('champion_version') or 'none'}")
+        tags = [UNCHANGED]
+    elif "promotion" in metrics:
+        message = (f"{who}{metrics['export_name']} {metrics['export_version']} {metrics['promotion']}: "
+                   f"{metrics['promotion_reason']}")
+        tags = [metrics["promotion"]]
     if serving.get("status") == NOT_UPDATED:
         message, tags = "; ".join(filter(None, [message, serving["message"]])), [*tags, NOT_SERVED]
     if _in_run() and tags:
@@ -161,7 +169,7 @@ def verdict(summary: dict[str, Any], metrics: dict[str, Any], who: str = "") -> 
         from prefect.runtime import flow_run
 
         with get_client(sync_client=True) as client:  # a Retry's tags replace the attempt's before
-            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in (*_VERDICTS, NOT_SERVED)]
+            kept = [t for t in client.read_flow_run(flow_run.id).tags if t not in (*_VERDICTS, UNCHANGED, NOT_SERVED)]
             client.update_flow_run(flow_run.id, tags=[*kept, *tags])
     if NOT_SERVED in tags:
         return Failed(message=message, data=NotServed(message, summary))
@@ -407,7 +415,8 @@ def tracking_report(done: dict[str, dict[str, str]]) -> None:
     for name, ref in done.items():
         where = ref.get("url") or ref.get("log_dir") or ref.get("tracking_uri", "")
         logged = ref["logged"] + (f" ({ref['reason']})" if ref.get("reason") else "") + (
-            f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else "")
+            f"; {ref['steps_sent']} training steps it lacked sent now" if ref.get("steps_sent") else "") + (
+            f"; model {ref['registered']}" if ref.get("registered") else "")
         lines.append(f"| {name} | {_cell(where)} | {_cell(logged)} |")
     unsent = [name for name, ref in done.items() if ref.get("reason")]
     note = (f"\n\nNot sent to {', '.join(unsent)}: this run's files keep all of it (loss.jsonl, the stage folders, "

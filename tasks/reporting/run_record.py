@@ -42,9 +42,11 @@ def record_run(config: RunConfig, stage_dirs: list[str], serving: dict[str, Any]
     verdict = [m.metrics.model_dump(exclude_unset=True) for m in manifests if m.stage == "export_adapter"]
     metrics = {**by_stage["evaluate_adapter"], **(verdict[0] if verdict else {})}
     if "export_adapter" in by_stage:  # the champion as champion.json says now, not when the export was computed
+        # by this run only when its export stage computed and published a version (the champion's own adapter
+        # again, with nothing to add, publishes nothing)
+        now = stages["export_adapter"]["status"] != "cached" and metrics.get("published_now") is not False
         metrics.update(registry_now(config, Path(stage_dirs[-1])),
-                       export_published="by this run" if stages["export_adapter"]["status"] != "cached"
-                       else "by an earlier run")
+                       export_published="by this run" if now else "by an earlier run")
     summary = {"run_dir": str(run_dir), "method": config.train.method, "stages": stages, "metrics": metrics,
                "export_dir": stage_dirs[-1],
                **({"serving": serving} if serving is not None else {})}

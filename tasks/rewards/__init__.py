@@ -2,16 +2,17 @@
 models of the exports registry (reward_model.py: registry:NAME), and the user's own from allowed modules.
 
 A reward function takes TRL's keywords, prompts, completions (texts), completion_ids, and the prompt rows' other
-columns (`answer`, ...) as lists, and returns one float per completion (None: no opinion, NaN to TRL). The same
+columns (`answer`, ...) as lists, and returns one finite float per completion (None: no opinion, NaN to TRL); each
+call is bounded by train.reward_timeout_s, and a NaN or infinite reward is refused with the function's name. The same
 functions score training's sampled answers (train_adapter) and the held-out greedy answers of base, tuned and
 champion (evaluate_adapter), so a run is judged on what it learned from.
 
 A built-in is one function in builtin.py and one entry in REWARDS. A user's function is named `module:function` and
 loads only from a module the deployment's operator allows in the environment variable QLORA_REWARD_MODULES of the
 process that runs the flow (comma-separated module names; `pkg` allows pkg and its submodules): a run form cannot set
-it, so a UI user cannot make the worker run code by typing a module path. `check` refuses anything else before any
-stage runs. The functions' source is part of train_adapter's cache key (`fingerprint`), so editing one retrains; a
-reward model's adapter files are, likewise.
+it, nor a run's job variables (tasks/allowed.py), so a UI user cannot make the worker run code by typing a module
+path. `check` refuses anything else before any stage runs. The functions' source is part of train_adapter's cache
+key (`fingerprint`), so editing one retrains; a reward model's adapter files are, likewise.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import hashlib
 import importlib
 import inspect
 import math
-import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import methods
+from tasks import allowed, methods
 from tasks.config import TrainArgs
 from tasks.errors import UserError
 from tasks.rewards import builtin, reward_model
 
-ALLOW_VARIABLE = "QLORA_REWARD_MODULES"
+ALLOW_VARIABLE = allowed.REWARD_MODULES
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ BUILT_IN = {r.name: r for r in REWARDS}
 
 def allowed_modules() -> list[str]:
     """The modules the deployment allows user reward functions from (QLORA_REWARD_MODULES)."""
-    return [m.strip() for m in os.environ.get(ALLOW_VARIABLE, "").split(",") if m.strip()]
+    return allowed.listed(ALLOW_VARIABLE)
 
 
 def check(train: TrainArgs, runs_dir: Path) -> None:
@@ -85,7 +86,7 @@ def load(train: TrainArgs, runs_dir: Path, model_dir: Path) -> list[Callable[...
     """train.rewards as callables, each named for its entry (TRL logs rewards/<name>/mean); reward models score
     with prepare_model folder `model_dir`'s base."""
     return [_named(reward_model.make(name, runs_dir, model_dir) if reward_model.is_reward_model(name)
-                   else _function(name, train), name) for name in train.rewards]
+                   else _function(name, train), name, train.reward_timeout_s) for name in train.rewards]
 
 
 def fingerprint(train: TrainArgs, runs_dir: Path) -> dict[str, str]:
@@ -136,25 +137,56 @@ def _source(func: Callable[..., Any]) -> str:
         return repr(func)
 
 
-def _named(func: Callable[..., list[float | None]], name: str) -> Callable[..., list[float | None]]:
-    """`func` checked as it is called: an exception or a wrong number of rewards is one UserError naming it."""
+def _named(func: Callable[..., list[float | None]], name: str, timeout: float) -> Callable[..., list[float | None]]:
+    """`func` checked as it is called: an exception, a call that takes more than `timeout` seconds (it runs in a
+    thread of its own, which a function that never returns is left in), a wrong number of rewards or a reward that
+    is not a finite number is one UserError naming it."""
 
     def call(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
-        try:
-            out = list(func(prompts=prompts, completions=completions, **columns))
-        except Exception as exc:  # noqa: BLE001 - the user's code: any error is theirs to fix, said once
-            raise UserError(f"The reward function {name} raised {type(exc).__name__}: {exc}. Fix the function (it "
-                            "gets prompts, completions, completion_ids and the data's other columns as keyword "
-                            "lists) and run again; training resumes from its latest checkpoint.") from None
+        out = _within(timeout, name, len(completions), lambda: list(func(prompts=prompts, completions=completions,
+                                                                         **columns)))
         bad = [r for r in out if r is not None and not isinstance(r, (int, float))]
         if len(out) != len(completions) or bad:
             got = f"{len(out)} values" if len(out) != len(completions) else f"values such as {bad[0]!r}"
             raise UserError(f"The reward function {name} returned {got} for {len(completions)} answers: it must "
                             "return one number (or None) per answer, in order. Fix it and run again.")
-        return [None if r is None or (isinstance(r, float) and math.isnan(r)) else float(r) for r in out]
+        if unfinite := [r for r in out if r is not None and not math.isfinite(r)]:
+            raise UserError(f"The reward function {name} returned {len(unfinite)} value(s) that are not finite "
+                            f"numbers (such as {unfinite[0]!r}) for {len(completions)} answers: a NaN or infinite "
+                            "reward gives no direction to learn from, and the gate cannot compare it. Return a finite "
+                            "number per answer, or None where it has no opinion; training resumes from its latest "
+                            "checkpoint once it is fixed.")
+        return [None if r is None else float(r) for r in out]
 
     call.__name__ = name.replace(":", ".").replace("/", ".")
     return call
+
+
+def _within(timeout: float, name: str, answers: int, work: Callable[[], list[Any]]) -> list[Any]:
+    """work() run in a daemon thread, its result; a UserError when it raises or takes more than `timeout` seconds
+    (the thread is then left to itself: Python cannot stop it, and it does not keep the process alive)."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["out"] = work()
+        except BaseException as exc:  # noqa: BLE001 - the user's code: any error is theirs, said once below
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise UserError(f"The reward function {name} did not return within train.reward_timeout_s={timeout:g} s for "
+                        f"{answers} answers, so the run stopped rather than wait for ever. Make it faster (or find "
+                        "where it waits), or raise train.reward_timeout_s; training resumes from its latest "
+                        "checkpoint.")
+    if "error" in done:
+        exc = done["error"]
+        raise UserError(f"The reward function {name} raised {type(exc).__name__}: {exc}. Fix the function (it "
+                        "gets prompts, completions, completion_ids and the data's other columns as keyword "
+                        "lists) and run again; training resumes from its latest checkpoint.") from None
+    return done["out"]
 
 
 def columns_of(rows: list[str]) -> dict[str, list[Any]]:

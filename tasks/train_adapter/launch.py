@@ -82,20 +82,43 @@ def run_ranks(args_file: Path, nproc: int, devices: list[str] | None = None, thr
     tail: deque[str] = deque(maxlen=40)
     with (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
           (out / log_name).open("w", buffering=1) as log):  # the ranks' whole output, line by line (a killed run's too)
-        if started:
-            started(proc)
-        for line in proc.stdout:
-            log.write(line)
-            tail.append(line.rstrip())
-            if line.startswith(USER_ERROR_PREFIX):
-                user_error = line[len(USER_ERROR_PREFIX):].strip()
-            elif "train_adapter:" in line or "Error" in line:
-                logger().info("%s", line.rstrip())
+        try:
+            if started:
+                started(proc)
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip())
+                if line.startswith(USER_ERROR_PREFIX):
+                    user_error = line[len(USER_ERROR_PREFIX):].strip()
+                elif "train_adapter:" in line or "Error" in line:
+                    logger().info("%s", line.rstrip())
+        except BaseException:  # SIGTERM to this process alone (Prefect raises it here), a cancel, an error
+            stop(proc)
+            raise
     if proc.returncode != 0:
         if "user_error" in locals():
             raise UserError(user_error)
         raise RanksFailed(f"train_adapter: a rank of the {nproc}-process training failed (exit {proc.returncode}); "
                           f"all output in {out / log_name}; it ends:\n" + "\n".join(tail))
+
+
+STOP_SECONDS = 30  # how long the training gets to end on SIGTERM before SIGKILL (torchrun gives its ranks as long)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End the training child now, as the run that started it ends: SIGTERM (torchrun passes it to its ranks), then
+    SIGKILL if it outlives STOP_SECONDS. Without this a SIGTERM to the run's process alone (systemd and Kubernetes
+    signal one process) left the child training to the end while the run waited for it (Popen's exit waits), then
+    finishing, which removes the checkpoints, with no manifest to show for it: the next run trained from step 1.
+    Stopped here, its latest complete checkpoint stays and the next run resumes from it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class RanksFailed(RuntimeError):

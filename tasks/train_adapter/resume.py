@@ -64,3 +64,16 @@ def latest_checkpoint(folder: Path) -> Path | None:
                          checkpoint.name, problem)
         shutil.rmtree(checkpoint, ignore_errors=True)
     return None
+
+
+def remove_half_written(stage_dir: Path) -> list[str]:
+    """Remove the checkpoints of a train_adapter folder that have no complete marker (a save cut short, by a full
+    disk say), and the Trainer's temporary checkpoint folders; their names. Complete ones stay, for the resume."""
+    folder = Path(stage_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    removed = [p for p in folder.iterdir() if p.is_dir() and (
+        p.name.startswith("tmp-checkpoint-") or (p.name.startswith("checkpoint-") and not (p / COMPLETE).is_file()))]
+    for checkpoint in removed:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    return [p.name for p in removed]

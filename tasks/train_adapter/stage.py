@@ -38,7 +38,7 @@ from tasks.reporting import tracking
 from tasks.train_adapter import builder, launch, nodes
 from tasks.train_adapter.levers import liger, parallel
 from tasks.train_adapter.methods import unit
-from tasks.train_adapter.resume import latest_checkpoint
+from tasks.train_adapter.resume import latest_checkpoint, remove_half_written
 
 VERSION = "2"  # 2: the fused loss applies Gemma 2's logit soft-capping (adapters trained before were off)
 ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
@@ -60,6 +60,7 @@ def spec(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: Path, dat
         folder = resolve_adapter(train.init_adapter, runs_dir)
         keyed["init_adapter"] = files_fingerprint([folder / f for f in INIT_ADAPTER_FILES])
     return StageSpec(stage="train_adapter", version=VERSION, runs_dir=runs_dir, located=("train.init_adapter",),
+                     checks=("train.reward_timeout_s",),  # how long a reward may take: it trains the same adapter
                      params={"lora": lora.model_dump(), "train": _train_params(train), "speed": _speed_params(speed)},
                      upstream={"prepare_model": Path(model_dir)}, fingerprint=keyed)
 
@@ -84,7 +85,8 @@ def train_adapter(lora: LoraArgs, train: TrainArgs, speed: SpeedArgs, runs_dir: 
         check_target_modules(lora.target_modules, Path(model_dir))
     check_method(train, Path(data_dir))
     keep = ("checkpoints", "loss.jsonl", tracking.REFS)  # an interrupted run resumes from these (in the same runs)
-    with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep) as stage:
+    with open_stage(spec(lora, train, speed, runs_dir, data_dir, model_dir), keep=keep, tidy=remove_half_written
+                    ) as stage:
         if stage.done:
             return str(stage.dir)
         resume = latest_checkpoint(stage.dir / "checkpoints")

@@ -22,8 +22,8 @@ Decisions:
   backend bounds its own sends) and loses nothing: the pipeline's files (loss.jsonl, the stage folders, run.json)
   are the source of truth, a backend's `finish` sends whatever its run lacks of them, and a result it could not
   send is remembered in runs_dir/tracking-pending/ and sent by the next run that reaches the same server.
-- Every path tracking writes lies under runs_dir or data.allowed_roots when data.allowed_roots is set (the
-  deployment's confinement): TensorBoard's folder, a local MLflow store and its artifacts.
+- Every path tracking writes lies under runs_dir or the data's places when the worker confines them (its operator's
+  QLORA_DATA_ROOTS, tasks/allowed.py): TensorBoard's folder, a local MLflow store and its artifacts.
 
 Backends are imported by name when used, so a run without tracking needs neither mlflow nor tensorboard.
 """
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tasks import allowed
 from tasks.config import RunConfig, TrackArgs
 from tasks.errors import UserError
 from tasks.log import logger
@@ -138,22 +139,24 @@ def flow_run_tags() -> dict[str, str]:
 
 def check(config: RunConfig) -> None:
     """Before any stage runs: every backend of config.track can take this run (a UserError saying what failed)."""
-    allowed = config.data.allowed_roots
-    roots = None if allowed is None else [Path(config.runs_dir).expanduser().resolve(), *(
-        Path(root).expanduser().resolve() for root in allowed if "://" not in root)]
+    # the data's places (the operator's QLORA_DATA_ROOTS, or an old config's narrower data.allowed_roots)
+    data = config.data.allowed_roots if config.data.allowed_roots is not None else allowed.data_roots()
+    roots = None if data is None else [Path(config.runs_dir).expanduser().resolve(), *(
+        Path(root).expanduser().resolve() for root in data if "://" not in root)]
     for name in config.track.backend:
         backend(name).check(config.track, Path(config.runs_dir), roots)
 
 
 def confine(path: Path, what: str, roots: list[Path] | None) -> None:
-    """A UserError when `path` (links resolved) lies outside every one of `roots` (runs_dir and data.allowed_roots,
-    where a deployment set data.allowed_roots); None: no confinement."""
+    """A UserError when `path` (links resolved) lies outside every one of `roots` (runs_dir and the data's places,
+    where the worker confines them: QLORA_DATA_ROOTS); None: no confinement."""
     resolved = Path(path).expanduser().resolve()
     if roots is None or any(resolved.is_relative_to(root) for root in roots):
         return
-    raise UserError(f"{what} writes to {resolved}, outside runs_dir and data.allowed_roots "
-                    f"({', '.join(map(str, roots))}): with data.allowed_roots set, a run writes nowhere else. "
-                    "Put it under runs_dir, or ask whoever runs the deployment to allow its place.")
+    raise UserError(f"{what} writes to {resolved}, outside runs_dir and the data's places "
+                    f"({', '.join(map(str, roots))}): where the worker confines what a run reads "
+                    f"({allowed.DATA_ROOTS}), a run writes nowhere else. Put it under runs_dir, or ask whoever runs "
+                    "the worker to allow its place.")
 
 
 def open_training(track: TrackArgs | None, runs_dir: Path, train_dir: Path) -> dict[str, Ref]:

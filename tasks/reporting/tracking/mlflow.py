@@ -238,9 +238,15 @@ def _finish(client: Any, track: TrackArgs, run: PipelineRun, ref: Ref | None) ->
         _log(client, run_id, run)
         client.update_run(run_id, status="FINISHED",
                           name=f"{run.metrics['export_name']}-{run.metrics['export_version']}")
-    if track.register_model and run.metrics.get("champion_version") == run.metrics["export_version"]:
-        _register(client, run_id, track.registered_model_name or run.config.export.name, run)
-    return _where(client, run_id, experiment, reused=bool(logged), steps_sent=sent)
+    where = _where(client, run_id, experiment, reused=bool(logged), steps_sent=sent)
+    if track.register_model:  # registered or not, the summary says which and why
+        name = track.registered_model_name or run.config.export.name
+        champion, version = run.metrics.get("champion_version"), run.metrics["export_version"]
+        where["registered"] = (_register(client, run_id, name, run) if champion == version else
+                               f"not registered in {name}: {version} is not the champion of the exports registry "
+                               f"({run.metrics.get('promotion')}; the champion is {champion or 'none'}), and only the "
+                               "champion is registered")
+    return where
 
 
 def _send_missing_steps(client: Any, run_id: str, run: PipelineRun, tags: dict[str, str]) -> int:
@@ -373,8 +379,8 @@ def _log(client: Any, run_id: str, run: PipelineRun) -> None:
     client.set_tag(run_id, KEY_TAG, run.key)
 
 
-def _register(client: Any, run_id: str, name: str, run: PipelineRun) -> None:
-    """This run's adapter as a version of the registered model `name`, with the alias `champion`."""
+def _register(client: Any, run_id: str, name: str, run: PipelineRun) -> str:
+    """This run's adapter as a version of the registered model `name`, with the alias `champion`; what was done."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -389,6 +395,7 @@ def _register(client: Any, run_id: str, name: str, run: PipelineRun) -> None:
         name, f"{client.get_run(run_id).info.artifact_uri}/adapter", run_id=run_id,
         tags={"qlora.export_version": run.metrics["export_version"], "qlora.export_path": run.metrics["export_path"]})
     client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
+    return f"registered as {name} version {version.version}, alias {CHAMPION_ALIAS}"
 
 
 def _client(track: TrackArgs) -> Any:

@@ -37,8 +37,8 @@ def root(track: TrackArgs, runs_dir: Path) -> Path:
 
 
 def check(track: TrackArgs, runs_dir: Path, roots: list[Path] | None) -> None:
-    """Before any stage: the log folder lies where the run may write (under runs_dir or data.allowed_roots, when a
-    deployment set data.allowed_roots)."""
+    """Before any stage: the log folder lies where the run may write (under runs_dir or the data's places, where the
+    worker confines them: QLORA_DATA_ROOTS)."""
     confine(root(track, runs_dir), f"track.tensorboard_dir={track.tensorboard_dir}" if track.tensorboard_dir
             else "TensorBoard's folder (runs_dir/tensorboard)", roots)
 

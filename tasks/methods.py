@@ -64,11 +64,6 @@ class Measure:
             return f"its {self.label} must be {'higher' if self.higher_wins else 'lower'} by more than this share"
         return f"its {self.label} must be {'higher' if self.higher_wins else 'lower'} by more than this (absolute)"
 
-    @property
-    def worst(self) -> float:
-        """A value that loses to every number: what a candidate without one is ranked as."""
-        return float("-inf") if self.higher_wins else float("inf")
-
 
 LOSS = Measure("eval_loss", "eval loss", higher_wins=False, margin="relative", digits=4, count="eval_examples",
                noun="held-out examples")

@@ -39,6 +39,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(f"{sum(totals.values()):9.1f}s in all test modules")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How the suite is shared among pytest-xdist's workers (`-n`, pyproject's addopts; `--dist loadgroup`).
+
+    A module's tests run in one worker, so its module fixtures (a Prefect server, trained stages, an MLflow server)
+    are built once; the modules that use the session's vLLM server share one worker, so one server starts, not one
+    per worker. Modules with the most slow tests go first: a worker that takes a long module last would end the run
+    alone."""
+    vllm = {item.path for item in items if "vllm_server" in getattr(item, "fixturenames", ())}
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+        group = "vllm" if item.path in vllm else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+    weight = {path: sum(slow[p] for p in vllm) if path in vllm else count for path, count in slow.items()}
+    items.sort(key=lambda item: -weight[item.path])  # stable: a module's own order stays
+
+
 @pytest.fixture(scope="session")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A temporary Prefect server and result storage (the harness does not isolate result storage)."""

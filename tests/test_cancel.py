@@ -112,10 +112,12 @@ def worker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                     parameter_openapi_schema=parameter_schema(qlora_pipeline).model_dump_for_openapi(),
                     pull_steps=[{"prefect.deployments.steps.set_working_directory": {
                         "directory": "{{ $QLORA_PIPELINE_ROOT }}"}}], enforce_parameter_schema=True)
-            log = home / "worker.log"
-            worker = subprocess.Popen([sys.executable, "-m", "deployments.cli", "worker"], env=env, cwd=home,
-                                      stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-            yield {"home": home, "port": port, "url": url, "state": state, "deployment": deployment, "log": log}
+        log = home / "worker.log"
+        worker = subprocess.Popen([sys.executable, "-m", "deployments.cli", "worker"], env=env, cwd=home,
+                                  stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        # outside the block: the module's other tests run against the session's server (its tests set this one's URL
+        # themselves); yielded inside, a terminal's run of the next test met this server's 1-GPU pool
+        yield {"home": home, "port": port, "url": url, "state": state, "deployment": deployment, "log": log}
     finally:
         if worker is not None:
             stop_group(worker)

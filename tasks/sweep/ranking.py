@@ -6,6 +6,7 @@ failed ones. Pure functions over the candidates' outcomes.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,11 +50,12 @@ def order(outcomes: list[Outcome], eval_data: str, measure: Measure) -> list[Out
     """Best first by the gate's rule on `measure` (the candidates' method's; ties keep candidate order), numbered;
     then the unranked, then the failed.
 
-    A finished candidate that does not beat even the worst possible one (a NaN loss) becomes unranked.
+    A finished candidate whose value is not a finite number (a NaN loss) becomes unranked: the gate lets such a value
+    beat nothing, and takes an incumbent's for damage (it would judge against the base model instead).
     """
-    worst = {f"tuned_{measure.key}": measure.worst}  # no candidate can lose to this but one without a number
     for outcome in outcomes:
-        if outcome.status == "finished" and not _beats(outcome.metrics, worst, eval_data, measure):
+        value = outcome.metrics.get(f"tuned_{measure.key}")
+        if outcome.status == "finished" and not (isinstance(value, int | float) and math.isfinite(value)):
             outcome.status, outcome.error = "unranked", "its eval metric is not a number (training diverged?)"
     done = sorted((o for o in outcomes if o.status == "finished"),
                   key=functools.cmp_to_key(lambda a, b: _compare(a.metrics, b.metrics, eval_data, measure)))

@@ -205,11 +205,13 @@ class _Watch:
 
 
 def _node_problem(out: Path, plan: dict[str, Any], runs: list[Any], started: float, ended: bool) -> str | None:
-    """Node 0's check of the others: a node run that ended before training did, or that has not started within the
-    join timeout (or at all, once node 0's ranks have `ended` in failure)."""
+    """Node 0's check of the others: a node run that ended other than Completed before training did, or that has not
+    started within the join timeout (or at all, once node 0's ranks have `ended` in failure). A Completed node run is
+    no problem: its ranks left the training's last collective, and rank 0 here may still be saving the adapter (on a
+    busy host that took long enough for this check to stop a finished training)."""
     states = _states(runs)
     for node, (run, state) in enumerate(zip(runs, states, strict=True), start=1):
-        if state.type.value in _FINAL:
+        if state.type.value in _FINAL - {"COMPLETED"}:
             return (f"node {node} on host {plan['hosts'][node]!r} ended {state.name} (flow run {run.name}): "
                     f"{state.message or 'see its log'}")
     late = [(node, run, state) for node, (run, state) in enumerate(zip(runs, states, strict=True), start=1)

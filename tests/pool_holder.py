@@ -13,13 +13,20 @@ from prefect import flow, task
 from tasks.pool.gpus import gpu_slot
 
 
+def _write(path: Path, text: str) -> None:
+    """Write `text` whole before `path` exists: the test polls for the file and reads it at once (written in place,
+    it was read empty between its creation and its write on a loaded machine)."""
+    path.with_suffix(".part").write_text(text)
+    path.with_suffix(".part").replace(path)
+
+
 @task(name="train_adapter")  # the pool's own task name: "Waiting for GPU" is judged among a run's trainings
 def hold(gpus: int, folder: str) -> None:
     from prefect.runtime import flow_run
 
-    (Path(folder) / "flow-run").write_text(str(flow_run.id))
+    _write(Path(folder) / "flow-run", str(flow_run.id))
     with gpu_slot(gpus) as devices:
-        (Path(folder) / "held").write_text(",".join(devices or []))
+        _write(Path(folder) / "held", ",".join(devices or []))
         while not (Path(folder) / "release").exists():
             time.sleep(0.2)
 

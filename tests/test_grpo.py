@@ -169,6 +169,7 @@ def test_built_in_rewards() -> None:
                       "format": [1.0, 0.0, 0.0], "length_penalty": [-0.25, -1.0, 0.0]}
 
 
+@pytest.mark.slow  # the command with its temporary Prefect server: ~20 s on 2 cores
 def test_a_disallowed_module_fails_before_any_stage_with_exit_2(tmp_path: Path) -> None:
     from tests.conftest import cli_env
 

@@ -143,6 +143,7 @@ def test_a_suite_is_keyed_by_its_content_not_its_place(stages: dict[str, Any], t
     assert "suites" not in plain.params["eval"] and "judge" not in plain.params["eval"] and plain.fingerprint == {}
 
 
+@pytest.mark.slow  # the command with its temporary Prefect server: ~20 s on 2 cores
 def test_a_suite_that_cannot_run_stops_the_run_before_any_stage(tmp_path: Path) -> None:
     """Every problem in one paragraph: a task file that is not there, one whose data file is missing, a metric the
     task lacks; from the CLI, exit 2 before any stage, also for a judge nobody answers."""
